@@ -1,0 +1,274 @@
+"""ModelConfig: one description of every Kimi-K3-family network.
+
+Every difference between Kimi-K3 and Kimi-Linear is a field here, never a code fork: the layer pattern,
+AttnRes, the KDA gate form and output gate, MLA q_lora_rank and output gate, the activation, LatentMoE and
+the router. A config comes from a preset (`k3core/presets/*.yaml`), a YAML file, or a Hugging Face
+`config.json` (`model_type` `kimi_linear`, or `kimi_k3` with the language model under `text_config`).
+
+`python -m k3core.config --model k3 --tp 8` prints parameter counts and per-GPU state sizes (k3core.sizing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+LayerKind = Literal["kda", "mla"]
+MlpKind = Literal["dense", "moe"]
+
+
+class ConfigError(ValueError):
+    """A config field is missing or invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # trunk
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[LayerKind, ...]          # per layer, 0-based
+    mlp_types: tuple[MlpKind, ...]              # per layer, 0-based
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1 << 20
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    # activation of every GLU in the model: "silu" (SwiGLU) or "situ" (SiTU-GLU with two soft-clip betas)
+    activation: Literal["silu", "situ"] = "silu"
+    situ_beta: float = 4.0
+    situ_linear_beta: float | None = 25.0
+
+    # dense FFN (first layers)
+    intermediate_size: int = 0
+
+    # KDA
+    kda_num_heads: int = 0
+    kda_head_dim: int = 128
+    conv_kernel_size: int = 4
+    kda_gate: Literal["softplus", "lower_bound"] = "softplus"
+    kda_gate_lower_bound: float = -5.0
+    kda_output_gate: Literal["low_rank", "full_rank"] = "low_rank"
+
+    # MLA
+    mla_num_heads: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_output_gate: bool = False
+    mla_latent_norm_eps: float = 1e-6            # HF builds q_a/kv_a layernorms with its default eps
+
+    # MoE
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    router_scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+    router_correction_bias: bool = True
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_latent_size: int | None = None           # LatentMoE: experts compute at this width; None = full width
+    moe_latent_norm: bool = False                # RMSNorm on the combined latent output
+
+    # Attention Residuals
+    attn_res: bool = False
+    attn_res_block_size: int = 12                # in decoder layers
+
+    name: str = "custom"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived --------------------------------------------------------------------------------
+    @property
+    def kda_layer_ids(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == "kda"]
+
+    @property
+    def mla_layer_ids(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_types) if kind == "mla"]
+
+    @property
+    def kda_proj_size(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_width(self) -> int:
+        """Width of one cached MLA token: the normalised KV latent plus the shared (unrotated) key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def expert_width(self) -> int:
+        """Input/output width of a routed expert (the latent width under LatentMoE)."""
+        return self.moe_latent_size if self.moe_latent_size is not None else self.hidden_size
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Rows of the AttnRes bank: one seal per block start."""
+        return -(-self.num_layers // self.attn_res_block_size) if self.attn_res else 0
+
+    # ---- validation -----------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ConfigError(f"invalid config field `{name}`: {why}")
+
+        for name in ("vocab_size", "hidden_size", "num_layers"):
+            need(getattr(self, name) > 0, name, "must be a positive integer")
+        need(len(self.layer_types) == self.num_layers, "layer_types",
+             f"has {len(self.layer_types)} entries but num_layers is {self.num_layers}")
+        need(all(k in ("kda", "mla") for k in self.layer_types), "layer_types", "entries must be 'kda' or 'mla'")
+        need(len(self.mlp_types) == self.num_layers, "mlp_types",
+             f"has {len(self.mlp_types)} entries but num_layers is {self.num_layers}")
+        need(all(k in ("dense", "moe") for k in self.mlp_types), "mlp_types", "entries must be 'dense' or 'moe'")
+        need(self.activation in ("silu", "situ"), "activation", f"must be 'silu' or 'situ', got {self.activation!r}")
+        if self.activation == "situ":
+            need(self.situ_beta > 0, "situ_beta", "must be positive")
+            need(self.situ_linear_beta is None or self.situ_linear_beta > 0, "situ_linear_beta",
+                 "must be positive or null")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        if "dense" in self.mlp_types:
+            need(self.intermediate_size > 0, "intermediate_size", "must be positive when a layer is dense")
+        if "kda" in self.layer_types:
+            need(self.kda_num_heads > 0, "kda_num_heads", "must be positive when the model has KDA layers")
+            need(self.kda_head_dim > 0, "kda_head_dim", "must be positive")
+            need(self.conv_kernel_size >= 1, "conv_kernel_size", "must be at least 1")
+            need(self.kda_gate in ("softplus", "lower_bound"), "kda_gate", "must be 'softplus' or 'lower_bound'")
+            need(self.kda_gate != "lower_bound" or self.kda_gate_lower_bound < 0, "kda_gate_lower_bound",
+                 "must be negative (it bounds a log-decay)")
+            need(self.kda_output_gate in ("low_rank", "full_rank"), "kda_output_gate",
+                 "must be 'low_rank' or 'full_rank'")
+        if "mla" in self.layer_types:
+            need(self.mla_num_heads > 0, "mla_num_heads", "must be positive when the model has MLA layers")
+            need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be positive or null")
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                need(getattr(self, name) > 0, name, "must be positive")
+            need(self.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be non-negative")
+        if "moe" in self.mlp_types:
+            need(self.num_experts > 0, "num_experts", "must be positive when a layer is MoE")
+            need(0 < self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+                 f"must be in 1..num_experts ({self.num_experts})")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive")
+            need(self.num_shared_experts >= 0, "num_shared_experts", "must be non-negative")
+            need(self.router_scoring in ("sigmoid", "softmax"), "router_scoring", "must be 'sigmoid' or 'softmax'")
+            need(self.moe_latent_size is None or self.moe_latent_size > 0, "moe_latent_size",
+                 "must be positive or null")
+            need(not self.moe_latent_norm or self.moe_latent_size is not None, "moe_latent_norm",
+                 "needs moe_latent_size (the norm acts on the latent output)")
+        if self.attn_res:
+            need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive")
+
+    # ---- (de)serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["layer_types"] = list(self.layer_types)
+        out["mlp_types"] = list(self.mlp_types)
+        out.pop("extra")
+        return out
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> "ModelConfig":
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"invalid config field `{unknown[0]}`: unknown field (known: {', '.join(sorted(known))})")
+        data.setdefault("name", name)
+        data = _expand_patterns(data)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"invalid config: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a model YAML must be a mapping of config fields")
+        return cls.from_dict(data, name=Path(path).stem)
+
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict[str, Any]) -> "ModelConfig":
+        from k3core.hf_config import parse_hf_config  # a separate module: the HF field mapping is one idea
+        if isinstance(source, dict):
+            return parse_hf_config(source)
+        path = Path(source)
+        if path.is_dir():
+            path = path / "config.json"
+        with open(path) as handle:
+            return parse_hf_config(json.load(handle), name=path.parent.name)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.exists():
+            raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(list_presets())}")
+        return cls.from_yaml(path)
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def kimi_layer_pattern(num_layers: int, period: int = 4) -> list[LayerKind]:
+    """The Kimi pattern: MLA at 1-based multiples of `period` and at the last layer, KDA elsewhere."""
+    return ["mla" if (i + 1) % period == 0 or i == num_layers - 1 else "kda" for i in range(num_layers)]
+
+
+def _expand_patterns(data: dict[str, Any]) -> dict[str, Any]:
+    """Allow compact YAML: `layer_types: kimi` (3 KDA : 1 MLA, last MLA) and `mlp_types: {first_dense_layers: N}`."""
+    num_layers = data.get("num_layers")
+    if data.get("layer_types") == "kimi" and isinstance(num_layers, int):
+        data["layer_types"] = kimi_layer_pattern(num_layers)
+    mlp_types = data.get("mlp_types")
+    if isinstance(mlp_types, dict) and isinstance(num_layers, int):
+        first = int(mlp_types.get("first_dense_layers", 0))
+        data["mlp_types"] = ["dense" if i < first else "moe" for i in range(num_layers)]
+    for key in ("layer_types", "mlp_types"):
+        if isinstance(data.get(key), list):
+            data[key] = tuple(data[key])
+    return data
+
+
+def load_config(model: str | os.PathLike) -> ModelConfig:
+    """A preset name, a YAML file, a `config.json`, or a checkpoint directory holding one."""
+    text = str(model)
+    if text in list_presets():
+        return ModelConfig.preset(text)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return ModelConfig.from_yaml(path)
+    if path.is_dir() or (path.suffix == ".json" and path.exists()):
+        return ModelConfig.from_hf(path)
+    raise ConfigError(
+        f"model {text!r} is neither a preset ({', '.join(list_presets())}) nor a checkpoint directory, "
+        "YAML file or config.json that exists")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from k3core.sizing import main as sizing_main
+    sizing_main(argv)
+
+
+if __name__ == "__main__":
+    main()

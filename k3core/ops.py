@@ -1,0 +1,138 @@
+"""The op table: every numeric op the model needs, with its signature, shapes, dtypes and layouts fixed here.
+
+Each op has a PyTorch reference in `kernels/torch` (the oracle and the CPU path) with exactly the signature
+written below; every provider of the op (Triton, vendor libraries) takes the same arguments and returns the
+same results. Conventions that hold for every op:
+
+* Variable-length batches are packed along the token axis and described by `cu_seqlens` (int32 [B+1],
+  cumulative lengths starting at 0). An empty batch has B = 0, `cu_seqlens = [0]` and T = 0.
+* KDA recurrent state (per layer) is `state: [num_slot_positions, H, V, K]` float32; the decay acts on the last
+  (K) axis. Dimension 0 may have any stride (a view into the unified pool's arena); the inner three dims are
+  contiguous. Requests address it through `slot_ids` (int64 [B]). Short-conv state is
+  `conv_state: [num_slot_positions, K_conv - 1, C]` (window-major; the last K_conv - 1 PRE-conv inputs), with
+  C = 3 * H * D for the packed [q | k | v] channels. Ops update the addressed slots in place.
+* MLA latent cache (per layer) is `kv_cache: [num_page_positions, page_size, D_latent]` (D_latent =
+  kv_lora_rank + qk_rope_head_dim, entries [normalised c_kv | k_pe]); dim 0 may have any stride. A request's
+  tokens live in pages `page_table[b, 0..]` (int32 [B, max_pages]), token j of request b at
+  `kv_cache[page_table[b, j // page_size], j % page_size]`.
+* Log-sum-exp outputs are in natural log, float32.
+* A reference computes internally in float32 (or float64 when given float64) and returns the input dtype unless
+  the signature says otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    reference: str      # "module:function" in kernels.torch
+    doc: str
+
+
+class KdaGateParams(NamedTuple):
+    """Forget-gate parameters of one KDA layer (all float32).
+
+    softplus form (Kimi-Linear):   g = -exp(A_log[h]) * softplus(f + dt_bias)
+    lower_bound form (K3 'safe'):  g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))
+    """
+    A_log: torch.Tensor          # [H] per head
+    dt_bias: torch.Tensor        # [H * K] per channel
+    form: str                    # "softplus" | "lower_bound"
+    lower_bound: float = -5.0
+
+
+class KdaPrefillOut(NamedTuple):
+    output: torch.Tensor                 # [T, H, V] dtype of v
+    checkpoint_states: torch.Tensor      # [N_ckpt, H, V, K] float32; states after token checkpoint_positions[i]
+    checkpoint_seq_ids: torch.Tensor     # int64 [N_ckpt]: which sequence of the batch
+    checkpoint_lengths: torch.Tensor     # int64 [N_ckpt]: tokens of that sequence consumed (within this call)
+
+
+class MlaDecodeOut(NamedTuple):
+    output: torch.Tensor     # [B, H, D_v_latent] dtype of q
+    lse: torch.Tensor        # [B, H] float32, natural log
+
+
+class RouteOut(NamedTuple):
+    weights: torch.Tensor    # [T, top_k] float32 (renormalised and scaled as configured)
+    expert_ids: torch.Tensor  # [T, top_k] int64
+
+
+OPS: tuple[OpInfo, ...] = (
+    OpInfo("rms_norm", "kernels.torch.norm:rms_norm", """
+        rms_norm(x [..., D], weight [D], eps) -> [..., D]
+        HF style: normalise in float32, cast to x.dtype, then multiply by weight (result dtype of x)."""),
+    OpInfo("gated_rms_norm", "kernels.torch.norm:gated_rms_norm", """
+        gated_rms_norm(x [..., D], gate [..., D], weight [D], eps) -> [..., D]
+        float32 throughout: x / sqrt(mean(x^2) + eps) * weight * sigmoid(gate), cast to x.dtype once."""),
+    OpInfo("glu_activation", "kernels.torch.activation:glu_activation", """
+        glu_activation(x [T, 2I], activation, situ_beta, situ_linear_beta) -> [T, I]
+        x = [gate | up] (non-interleaved). silu: silu(gate) * up.
+        situ: (b * tanh(gate / b) * sigmoid(gate)) * (bl * tanh(up / bl)) (up term skipped if bl is None). float32 math."""),
+    OpInfo("kda_gate", "kernels.torch.kda:kda_gate", """
+        kda_gate(f [T, H, K], params: KdaGateParams) -> g [T, H, K] float32 log-decay (<= 0)."""),
+    OpInfo("short_conv_prefill", "kernels.torch.conv:short_conv_prefill", """
+        short_conv_prefill(x [T, C], weight [C, K_conv] float32, cu_seqlens [B+1], conv_state, slot_ids [B],
+                           has_initial_state [B] bool) -> y [T, C]
+        Causal depthwise conv per sequence then SiLU; history is conv_state[slot] when has_initial_state else zeros.
+        Writes the last K_conv-1 pre-conv inputs of each sequence (history included when it is short) back to
+        conv_state[slot]."""),
+    OpInfo("short_conv_decode", "kernels.torch.conv:short_conv_decode", """
+        short_conv_decode(x [B, C], weight [C, K_conv], conv_state, slot_ids [B]) -> y [B, C]
+        One token per sequence; shifts the window in place."""),
+    OpInfo("kda_prefill", "kernels.torch.kda:kda_prefill", """
+        kda_prefill(q [T, H, K], k [T, H, K], v [T, H, V], f [T, H, K], beta_logits [T, H], gate: KdaGateParams,
+                    cu_seqlens [B+1], state, slot_ids [B], has_initial_state [B] bool, scale: float,
+                    checkpoint_interval: int = 0) -> KdaPrefillOut
+        Per sequence: q, k L2-normalised (eps 1e-6, float32), g = kda_gate(f), beta = sigmoid(beta_logits);
+        recurrence S <- S diag(exp g_t); S <- S + beta_t (v_t - S k_t) k_t^T; o_t = scale * S q_t, starting from
+        state[slot] (or zeros) and writing the final state back to state[slot].
+        checkpoint_interval > 0: also return the state after every multiple of checkpoint_interval tokens of
+        each sequence (counted from the start of this call) and after its last token."""),
+    OpInfo("kda_decode", "kernels.torch.kda:kda_decode", """
+        kda_decode(q [B, H, K], k [B, H, K], v [B, H, V], f [B, H, K], beta_logits [B, H], gate: KdaGateParams,
+                   state, slot_ids [B], scale) -> o [B, H, V]
+        One step of the same recurrence, state updated in place."""),
+    OpInfo("mla_prefill", "kernels.torch.mla:mla_prefill", """
+        mla_prefill(q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv], cu_seqlens_q [B+1], cu_seqlens_k [B+1],
+                    scale) -> o [Tq, H, Dv]
+        Causal softmax attention per sequence with the queries aligned to the END of the keys (query i of a
+        sequence with Lq queries and Lk keys sees keys j <= Lk - Lq + i): a cached prefix plus new tokens."""),
+    OpInfo("mla_decode", "kernels.torch.mla:mla_decode", """
+        mla_decode(q [B, H, D_latent], kv_cache, page_table [B, max_pages] int32, seq_lens [B] int32, scale,
+                   v_dim) -> MlaDecodeOut
+        Absorbed MLA decode: scores = scale * q . kv over each request's seq_lens[b] cached entries, softmax,
+        output = weights @ kv[..., :v_dim]. seq_lens[b] >= 1."""),
+    OpInfo("moe_route", "kernels.torch.moe:moe_route", """
+        moe_route(logits [T, E] float32, correction_bias [E] | None, top_k, scoring, renormalize,
+                  routed_scaling_factor) -> RouteOut
+        scores = sigmoid(logits) (or softmax); choose top_k by scores + bias; weights = scores at the chosen
+        experts, divided by (sum + 1e-20) when renormalize, times routed_scaling_factor."""),
+    OpInfo("moe_experts", "kernels.torch.moe:moe_experts", """
+        moe_experts(x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] float32, expert_ids [T, k],
+                    activation, situ_beta, situ_linear_beta, expert_offset: int = 0) -> y [T, D]
+        y_t = sum_j weights[t, j] * w2_e (act(w13_e x_t)), e = expert_ids[t, j] - expert_offset; ids outside
+        [expert_offset, expert_offset + E) contribute nothing (expert parallelism). Sum in float32."""),
+    OpInfo("attn_res_read", "kernels.torch.attn_res:attn_res_read", """
+        attn_res_read(bank [T, S_max, D], num_valid: int, live [T, D], query [D] float32, eps) -> [T, D]
+        candidates = bank[:, :num_valid] then live; score_j = rsqrt(mean(v_j^2) + eps) * (v_j . query);
+        softmax over j; mix of the raw candidates in float32, cast to live.dtype."""),
+    OpInfo("sample", "kernels.torch.sampling:sample", """
+        sample(logits [B, V] float32, temperature [B], top_k [B] int (0 = off), top_p [B], min_p [B],
+               generators: list[torch.Generator | None]) -> token_ids int64 [B]
+        temperature 0 means greedy (argmax, lowest index on ties)."""),
+)
+
+OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
+
+
+def op_info(name: str) -> OpInfo:
+    for op in OPS:
+        if op.name == name:
+            return op
+    raise KeyError(f"unknown op {name!r}; ops are: {', '.join(OP_NAMES)}")

@@ -1,0 +1,1 @@
+"""PyTorch references of every op in k3core.ops (the oracle and the CPU path)."""

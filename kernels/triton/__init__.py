@@ -1,0 +1,1 @@
+"""Portable Triton kernels shared by the NVIDIA and AMD backends (imported only by backends/)."""
