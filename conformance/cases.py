@@ -1,0 +1,277 @@
+"""Conformance cases: awkward shapes for every op, inputs built fresh from a seed in float64 on the CPU.
+
+A case is data (op, label, size class, parameters); `build(case, generator)` makes the master arguments. Slots
+and pages that a call does not address are filled with NaN, as are slots whose `has_initial_state` is False:
+a provider that reads them, or writes them, fails. Size classes: "quick" cases are small enough for Triton
+under TRITON_INTERPRET=1 on a CPU; "full" adds T = 1000, head dim 128 and the long varlen batches.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3core.ops import KdaGateParams
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    label: str
+    size: str                       # "quick" | "full"
+    params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def case_id(self) -> str:
+        return f"{self.op}[{self.label}]"
+
+
+@dataclass
+class OpCall:
+    args: dict[str, Any]                        # the op's arguments by name, float64 CPU master values
+    pinned_float32: frozenset[str]              # floating args the op table fixes to float32 in every run dtype
+    inplace: dict[str, torch.Tensor]            # mutated argument -> the dim-0 rows it may write (int64)
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _slots(gen: torch.Generator, num_seqs: int, num_slot_positions: int) -> torch.Tensor:
+    return torch.randperm(num_slot_positions, generator=gen)[:num_seqs].to(torch.int64)  # distinct, scattered
+
+
+def _poisoned_state(gen: torch.Generator, shape: tuple[int, ...], slot_ids: torch.Tensor,
+                    has_initial: torch.Tensor, scale: float) -> torch.Tensor:
+    state = torch.full(shape, NAN, dtype=torch.float64)
+    for slot, initial in zip(slot_ids.tolist(), has_initial.tolist()):
+        if initial:
+            state[slot] = _randn(gen, *shape[1:], scale=scale)
+    return state
+
+
+def _gate(gen: torch.Generator, heads: int, head_dim: int, form: str) -> KdaGateParams:
+    return KdaGateParams(A_log=_randn(gen, heads, scale=0.5), dt_bias=_randn(gen, heads * head_dim, scale=0.5),
+                         form=form, lower_bound=-5.0)
+
+
+# ---- builders: one per op ---------------------------------------------------------------------------------
+def build_rms_norm(p: dict, gen: torch.Generator) -> OpCall:
+    return OpCall(dict(x=_randn(gen, p["T"], p["D"], scale=3.0), weight=1 + _randn(gen, p["D"], scale=0.1),
+                       eps=1e-5), frozenset(), {})
+
+
+def build_gated_rms_norm(p: dict, gen: torch.Generator) -> OpCall:
+    return OpCall(dict(x=_randn(gen, p["T"], p["D"]), gate=_randn(gen, p["T"], p["D"], scale=2.0),
+                       weight=1 + _randn(gen, p["D"], scale=0.1), eps=1e-6), frozenset(), {})
+
+
+def build_glu_activation(p: dict, gen: torch.Generator) -> OpCall:
+    # scale 8 pushes gate and up past the SiTU soft-clip knees (beta 4, linear beta 25 / 8 with scale) too
+    return OpCall(dict(x=_randn(gen, p["T"], 2 * p["I"], scale=8.0), activation=p["activation"], situ_beta=4.0,
+                       situ_linear_beta=p.get("linear_beta", 25.0)), frozenset(), {})
+
+
+def build_kda_gate(p: dict, gen: torch.Generator) -> OpCall:
+    return OpCall(dict(f=_randn(gen, p["T"], p["H"], p["K"], scale=3.0), params=_gate(gen, p["H"], p["K"], p["form"])),
+                  frozenset({"params"}), {})
+
+
+def build_short_conv_prefill(p: dict, gen: torch.Generator) -> OpCall:
+    lengths, channels, kernel, num_slots = p["lengths"], p["C"], p["K_conv"], p["slots"]
+    slot_ids = _slots(gen, len(lengths), num_slots)
+    has_initial = torch.tensor([i % 2 == 0 for i in range(len(lengths))], dtype=torch.bool)
+    conv_state = _poisoned_state(gen, (num_slots, kernel - 1, channels), slot_ids, has_initial, 1.0)
+    return OpCall(dict(x=_randn(gen, sum(lengths), channels), weight=_randn(gen, channels, kernel, scale=0.5),
+                       cu_seqlens=_cu_seqlens(lengths), conv_state=conv_state, slot_ids=slot_ids,
+                       has_initial_state=has_initial), frozenset({"weight"}), {"conv_state": slot_ids})
+
+
+def build_short_conv_decode(p: dict, gen: torch.Generator) -> OpCall:
+    batch, channels, kernel, num_slots = p["B"], p["C"], p["K_conv"], p["slots"]
+    slot_ids = _slots(gen, batch, num_slots)
+    conv_state = _poisoned_state(gen, (num_slots, kernel - 1, channels), slot_ids, torch.ones(batch, dtype=torch.bool), 1.0)
+    return OpCall(dict(x=_randn(gen, batch, channels), weight=_randn(gen, channels, kernel, scale=0.5),
+                       conv_state=conv_state, slot_ids=slot_ids), frozenset({"weight"}), {"conv_state": slot_ids})
+
+
+def _kda_inputs(gen: torch.Generator, tokens: int, heads: int, head_dim: int) -> dict[str, torch.Tensor]:
+    return dict(q=_randn(gen, tokens, heads, head_dim), k=_randn(gen, tokens, heads, head_dim),
+                v=_randn(gen, tokens, heads, head_dim), f=_randn(gen, tokens, heads, head_dim, scale=2.0),
+                beta_logits=_randn(gen, tokens, heads))
+
+
+def build_kda_prefill(p: dict, gen: torch.Generator) -> OpCall:
+    lengths, heads, head_dim, num_slots = p["lengths"], p["H"], p["K"], p["slots"]
+    slot_ids = _slots(gen, len(lengths), num_slots)
+    has_initial = torch.tensor([i % 2 == 1 for i in range(len(lengths))], dtype=torch.bool)
+    state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids, has_initial, 0.3)
+    args = _kda_inputs(gen, sum(lengths), heads, head_dim)
+    args.update(gate=_gate(gen, heads, head_dim, p["form"]), cu_seqlens=_cu_seqlens(lengths), state=state,
+                slot_ids=slot_ids, has_initial_state=has_initial, scale=head_dim ** -0.5,
+                checkpoint_interval=p.get("checkpoint_interval", 0))
+    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids})
+
+
+def build_kda_decode(p: dict, gen: torch.Generator) -> OpCall:
+    batch, heads, head_dim, num_slots = p["B"], p["H"], p["K"], p["slots"]
+    slot_ids = _slots(gen, batch, num_slots)
+    state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids, torch.ones(batch, dtype=torch.bool), 0.3)
+    args = _kda_inputs(gen, batch, heads, head_dim)
+    args.update(gate=_gate(gen, heads, head_dim, p["form"]), state=state, slot_ids=slot_ids, scale=head_dim ** -0.5)
+    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids})
+
+
+def build_mla_prefill(p: dict, gen: torch.Generator) -> OpCall:
+    q_lens, prefix_lens, heads, qk_dim, v_dim = p["q_lens"], p["prefix_lens"], p["H"], p["Dqk"], p["Dv"]
+    k_lens = [q + c for q, c in zip(q_lens, prefix_lens)]
+    return OpCall(dict(q=_randn(gen, sum(q_lens), heads, qk_dim), k=_randn(gen, sum(k_lens), heads, qk_dim),
+                       v=_randn(gen, sum(k_lens), heads, v_dim), cu_seqlens_q=_cu_seqlens(q_lens),
+                       cu_seqlens_k=_cu_seqlens(k_lens), scale=qk_dim ** -0.5), frozenset(), {})
+
+
+def build_mla_decode(p: dict, gen: torch.Generator) -> OpCall:
+    seq_lens, heads, latent, v_dim, page_size = p["seq_lens"], p["H"], p["D_latent"], p["v_dim"], p["page_size"]
+    pages_needed = [math.ceil(n / page_size) for n in seq_lens]
+    max_pages = max(pages_needed, default=1)
+    num_pages = sum(pages_needed) + 3                      # spare pages stay NaN: nobody may read them
+    order = torch.randperm(num_pages, generator=gen)
+    kv_cache = torch.full((num_pages, page_size, latent), NAN, dtype=torch.float64)
+    page_table = torch.zeros(len(seq_lens), max_pages, dtype=torch.int32)
+    next_page = 0
+    for b, (length, pages) in enumerate(zip(seq_lens, pages_needed)):
+        for j in range(pages):
+            page = int(order[next_page])
+            next_page += 1
+            page_table[b, j] = page
+            filled = min(page_size, length - j * page_size)
+            kv_cache[page, :filled] = _randn(gen, filled, latent)   # the tail of the last page stays NaN
+    return OpCall(dict(q=_randn(gen, len(seq_lens), heads, latent), kv_cache=kv_cache, page_table=page_table,
+                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32), scale=p.get("scale", 192 ** -0.5),
+                       v_dim=v_dim), frozenset(), {})
+
+
+def build_moe_route(p: dict, gen: torch.Generator) -> OpCall:
+    bias = _randn(gen, p["E"], scale=0.1) if p["bias"] else None
+    return OpCall(dict(logits=_randn(gen, p["T"], p["E"], scale=2.0), correction_bias=bias, top_k=p["top_k"],
+                       scoring=p["scoring"], renormalize=p["renormalize"], routed_scaling_factor=2.5),
+                  frozenset({"logits", "correction_bias"}), {})
+
+
+def build_moe_experts(p: dict, gen: torch.Generator) -> OpCall:
+    tokens, width, inter, experts, top_k, offset = p["T"], p["D"], p["I"], p["E"], p["top_k"], p.get("offset", 0)
+    global_experts = experts + offset + p.get("foreign_after", 0)
+    scores = torch.rand(tokens, global_experts, generator=gen, dtype=torch.float64)
+    expert_ids = scores.topk(top_k, dim=-1).indices                # distinct experts per token, some off-rank
+    return OpCall(dict(x=_randn(gen, tokens, width), w13=_randn(gen, experts, 2 * inter, width, scale=width ** -0.5),
+                       w2=_randn(gen, experts, width, inter, scale=inter ** -0.5),
+                       weights=torch.rand(tokens, top_k, generator=gen, dtype=torch.float64),
+                       expert_ids=expert_ids, activation=p["activation"], situ_beta=4.0, situ_linear_beta=25.0,
+                       expert_offset=offset), frozenset({"weights"}), {})
+
+
+def build_attn_res_read(p: dict, gen: torch.Generator) -> OpCall:
+    tokens, slots, width = p["T"], p["S"], p["D"]
+    bank = _randn(gen, tokens, slots, width)
+    bank[:, p["num_valid"]:] = NAN                                 # rows past num_valid are not candidates
+    return OpCall(dict(bank=bank, num_valid=p["num_valid"], live=_randn(gen, tokens, width),
+                       query=_randn(gen, width, scale=width ** -0.5), eps=1e-6), frozenset({"query"}), {})
+
+
+def build_sample(p: dict, gen: torch.Generator) -> OpCall:
+    # Only settings whose answer does not depend on the random stream: greedy, top_k 1, a tiny top_p, min_p 1.
+    rows, vocab = p["B"], p["V"]
+    modes = [(0.0, 0, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.3, 0, 1e-9, 0.0), (0.9, 0, 1.0, 1.0)]
+    chosen = [modes[i % len(modes)] for i in range(rows)]
+    return OpCall(dict(logits=_randn(gen, rows, vocab, scale=3.0),
+                       temperature=torch.tensor([m[0] for m in chosen], dtype=torch.float64),
+                       top_k=torch.tensor([m[1] for m in chosen], dtype=torch.int64),
+                       top_p=torch.tensor([m[2] for m in chosen], dtype=torch.float64),
+                       min_p=torch.tensor([m[3] for m in chosen], dtype=torch.float64),
+                       generators=[None] * rows),
+                  frozenset({"logits", "temperature", "top_p", "min_p"}), {})
+
+
+BUILDERS = {name.removeprefix("build_"): fn for name, fn in globals().items() if name.startswith("build_")}
+
+
+def build(case: Case, gen: torch.Generator) -> OpCall:
+    return BUILDERS[case.op](case.params, gen)
+
+
+# ---- the case list ----------------------------------------------------------------------------------------
+def _cases() -> list[Case]:
+    out: list[Case] = []
+
+    def add(op: str, label: str, size: str, **params: Any) -> None:
+        out.append(Case(op, label, size, params))
+
+    for t in (1, 15, 63, 64, 65):
+        add("rms_norm", f"T{t}-D96", "quick", T=t, D=96)
+        add("gated_rms_norm", f"T{t}-D64", "quick", T=t, D=64)
+    add("rms_norm", "T1000-D2304", "full", T=1000, D=2304)
+    add("rms_norm", "T0-D64", "quick", T=0, D=64)
+    add("gated_rms_norm", "T1000-D128", "full", T=1000, D=128)
+    for act in ("silu", "situ"):
+        add("glu_activation", f"{act}-T15-I48", "quick", T=15, I=48, activation=act)
+        add("glu_activation", f"{act}-T1000-I1024", "full", T=1000, I=1024, activation=act)
+    add("glu_activation", "situ-nolinear-T65-I32", "quick", T=65, I=32, activation="situ", linear_beta=None)
+    for form in ("softplus", "lower_bound"):
+        add("kda_gate", f"{form}-T63-H2-K64", "quick", T=63, H=2, K=64, form=form)
+        add("kda_gate", f"{form}-T1000-H4-K128", "full", T=1000, H=4, K=128, form=form)
+    add("short_conv_prefill", "varlen-1-15-2-65", "quick", lengths=[1, 15, 2, 65], C=48, K_conv=4, slots=7)
+    add("short_conv_prefill", "varlen-1-1000-3", "full", lengths=[1, 1000, 3], C=384, K_conv=4, slots=5)
+    add("short_conv_prefill", "empty-batch", "quick", lengths=[], C=48, K_conv=4, slots=3)
+    add("short_conv_decode", "B5", "quick", B=5, C=48, K_conv=4, slots=9)
+    add("short_conv_decode", "B1", "quick", B=1, C=384, K_conv=4, slots=2)
+    add("kda_prefill", "T1-H2-K64", "quick", lengths=[1], H=2, K=64, slots=3, form="lower_bound")
+    add("kda_prefill", "varlen-1-15-65-ckpt16", "quick", lengths=[1, 15, 65], H=1, K=64, slots=5, form="softplus",
+        checkpoint_interval=16)
+    add("kda_prefill", "T64-H1-K64", "quick", lengths=[64], H=1, K=64, slots=2, form="lower_bound")
+    add("kda_prefill", "empty-batch", "quick", lengths=[], H=1, K=64, slots=2, form="softplus")
+    add("kda_prefill", "varlen-1-1000-63-K128-ckpt64", "full", lengths=[1, 1000, 63], H=2, K=128, slots=6,
+        form="softplus", checkpoint_interval=64)
+    add("kda_decode", "B3-H2-K64", "quick", B=3, H=2, K=64, slots=8, form="lower_bound")
+    add("kda_decode", "B17-H4-K128", "full", B=17, H=4, K=128, slots=40, form="softplus")
+    add("mla_prefill", "no-prefix-1-15-65", "quick", q_lens=[1, 15, 65], prefix_lens=[0, 0, 0], H=2, Dqk=64, Dv=64)
+    add("mla_prefill", "prefix-63+1-0+64", "quick", q_lens=[1, 64], prefix_lens=[63, 0], H=1, Dqk=96, Dv=64)
+    add("mla_prefill", "empty-batch", "quick", q_lens=[], prefix_lens=[], H=1, Dqk=64, Dv=64)
+    add("mla_prefill", "prefix-1000", "full", q_lens=[1000, 1, 63], prefix_lens=[0, 999, 200], H=4, Dqk=192, Dv=128)
+    add("mla_decode", "lens-1-15-65-page16", "quick", seq_lens=[1, 15, 65], H=2, D_latent=40, v_dim=32, page_size=16)
+    add("mla_decode", "lens-64-page64", "quick", seq_lens=[64, 63], H=1, D_latent=72, v_dim=64, page_size=64)
+    add("mla_decode", "k3-shape-lens-1-1000", "full", seq_lens=[1, 1000, 257], H=16, D_latent=576, v_dim=512,
+        page_size=64)
+    add("moe_route", "sigmoid-bias-T65-E16-k4", "quick", T=65, E=16, top_k=4, scoring="sigmoid", bias=True,
+        renormalize=True)
+    add("moe_route", "softmax-T15-E8-k2", "quick", T=15, E=8, top_k=2, scoring="softmax", bias=False,
+        renormalize=False)
+    add("moe_route", "sigmoid-T1000-E256-k8", "full", T=1000, E=256, top_k=8, scoring="sigmoid", bias=True,
+        renormalize=True)
+    add("moe_experts", "silu-T15-E4-k2", "quick", T=15, D=32, I=16, E=4, top_k=2, activation="silu")
+    add("moe_experts", "situ-EP-T65-E4-k3", "quick", T=65, D=32, I=16, E=4, top_k=3, activation="situ", offset=4,
+        foreign_after=4)
+    add("moe_experts", "empty-batch", "quick", T=0, D=32, I=16, E=4, top_k=2, activation="silu")
+    add("moe_experts", "silu-T1000-E16-k4", "full", T=1000, D=256, I=128, E=16, top_k=4, activation="silu")
+    add("attn_res_read", "T15-S4-valid2", "quick", T=15, S=4, num_valid=2, D=64)
+    add("attn_res_read", "T1-S3-valid0", "quick", T=1, S=3, num_valid=0, D=64)
+    add("attn_res_read", "T1000-S9-valid8", "full", T=1000, S=9, num_valid=8, D=512)
+    add("sample", "B8-V50", "quick", B=8, V=50)
+    add("sample", "B64-V32000", "full", B=64, V=32000)
+    return out
+
+
+CASES: tuple[Case, ...] = tuple(_cases())
+
+
+def cases_for(size: str = "full", op: str | None = None) -> list[Case]:
+    """size "quick": the quick cases only; "full": every case."""
+    return [c for c in CASES if (size == "full" or c.size == "quick") and (op is None or c.op == op)]

@@ -1,0 +1,261 @@
+"""The step loop: schedule -> run the network -> sample -> emit.
+
+`Engine` owns the unified pool, the radix cache and the scheduler of one model replica. `step()` runs one batch
+and returns what each request produced; `run_until_done` drives it for the offline `LLM.generate`, and the
+server calls `step()` from its own engine thread.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3core.model.batch import SeqWork
+from k3core.sampling_params import SamplingParams
+from k3core.sched.request import Request, Status
+from k3core.sched.scheduler import Scheduler, SchedulerOptions
+
+
+@dataclass
+class EngineOptions:
+    prefix_cache: bool = True
+    chunked_prefill_tokens: int = 512
+    max_running_requests: int = 64
+    page_size: int = 16
+    checkpoint_interval: int = 64
+    memory_bytes: int | None = None          # pool arena size; None: memory_fraction of free device memory
+    memory_fraction: float = 0.5             # (CPU: of 1 GiB)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ValueError(message)
+        need(self.chunked_prefill_tokens >= 1, "chunked_prefill_tokens must be >= 1")
+        need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
+        need(self.page_size >= 1, "page_size must be >= 1")
+        need(self.checkpoint_interval >= self.page_size and self.checkpoint_interval % self.page_size == 0,
+             f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of page_size "
+             f"({self.page_size})")
+        need(self.memory_bytes is None or self.memory_bytes > 0, "memory_bytes must be positive")
+        need(0 < self.memory_fraction <= 1, "memory_fraction must be in (0, 1]")
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, llm, options: EngineOptions):
+        import dataclasses
+
+        from k3core.cache import RadixCache
+        from k3core.memory import PoolLayout, UnifiedPool
+        self.llm = llm
+        self.options = options
+        self.runner = llm.runner
+        self.config = llm.config
+        plan = llm.plan
+        # Every rank makes the same scheduling decisions, so every rank's pool must have the same block sizes: pad
+        # to the stage with the most KDA / MLA layers (pipeline stages differ by at most a layer or two).
+        stages = plan.layer_ranges(self.config)
+        layout = PoolLayout.from_config(llm.network.config, page_size=options.page_size, kv_dtype=llm.kv_dtype,
+                                        conv_dtype=llm.dtype)
+        layout = dataclasses.replace(
+            layout,
+            num_kda_layers=max(sum(self.config.layer_types[i] == "kda" for i in r) for r in stages),
+            num_mla_layers=max(sum(self.config.layer_types[i] == "mla" for i in r) for r in stages))
+        if options.memory_bytes is not None:
+            self.pool = UnifiedPool(layout, options.memory_bytes, device=llm.device)
+        elif llm.device.type == "cpu":
+            self.pool = UnifiedPool(layout, int(options.memory_fraction * (1 << 30)), device=llm.device)
+        elif plan.is_single:
+            self.pool = UnifiedPool.from_free_memory(layout, options.memory_fraction, device=llm.device)
+        else:
+            raise ValueError("under a parallel plan give memory_bytes, so that every rank's pool is the same size")
+        self.page_size = self.runner.logical_page_size     # tokens per page as the scheduler counts them
+        if options.checkpoint_interval % self.page_size:
+            raise ValueError(f"checkpoint_interval ({options.checkpoint_interval}) must be a multiple of the "
+                             f"logical page size {self.page_size} (page_size x dcp)")
+        self.cache = RadixCache(self.pool, self.page_size, options.checkpoint_interval) if options.prefix_cache else None
+        self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
+            options.max_running_requests, options.chunked_prefill_tokens, self.page_size))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = set(getattr(llm.tokenizer, "eos_token_ids", []) or [])
+        if self.config.eos_token_id is not None:
+            self.eos_token_ids.add(self.config.eos_token_id)
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests and not self.requests[request_id].is_finished:
+            raise ValueError(f"request id {request_id!r} is already running")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.config.max_position_embeddings:
+            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's maximum context length of {self.config.max_position_embeddings} tokens")
+        layout = self.pool.layout
+        pages = -(-total // self.page_size)
+        if layout.slot_bytes + pages * layout.page_bytes > self.pool.usage().capacity_bytes:
+            raise ValueError(f"a request of {total} tokens needs more memory than the whole pool holds "
+                             f"({self.pool.usage().capacity_bytes} bytes); lower max_tokens or raise memory_bytes")
+        request = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        if params.seed is not None:
+            request.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.abort(request)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        self.num_steps += 1
+        pool = self.pool
+        work = []
+        for chunk in chunks:
+            request = chunk.request
+            start = request.num_computed_tokens
+            work.append(SeqWork(
+                new_token_ids=request.all_token_ids[start: start + chunk.num_tokens],
+                prefix_len=start,
+                slot_position=pool.slot_position(request.working_slot),
+                page_positions=pool.page_positions(request.page_handles).tolist(),
+                want_logits="last" if chunk.samples else "none"))
+        logits = self.runner.forward(work, pool)                                       # [R, V] or None
+        sampled = [c for c in chunks if c.samples]
+        token_ids = self._sample(logits, [c.request for c in sampled]) if sampled else []
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            self.scheduler.snapshot(chunk.request)
+        outputs = []
+        for row, (chunk, token_id) in enumerate(zip(sampled, token_ids)):
+            outputs.append(self._append_token(chunk.request, token_id, logits[row] if logits is not None else None))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor | None, requests: list[Request]) -> list[int]:
+        device = self.llm.device
+        params = [r.params for r in requests]
+        return self.runner.sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            [r.generator for r in requests])
+
+    def _append_token(self, request: Request, token_id: int, logits: torch.Tensor) -> StepOutput:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.output_token_ids.append(token_id)
+        logprobs = []
+        if request.params.logprobs is not None and logits is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(lp, request.params.logprobs) if request.params.logprobs else None
+            entry = {token_id: float(lp[token_id])}
+            if top is not None:
+                entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+            request.output_logprobs.append(entry)
+            logprobs = [entry]
+        reason = self._finish_reason(request, token_id)
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+        return StepOutput(request.request_id, [token_id], reason is not None, reason, logprobs)
+
+    def _finish_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if params.stop:
+            text = self.llm.tokenizer.decode(request.output_token_ids)
+            for stop in params.stop:
+                index = text.find(stop)
+                if index >= 0:
+                    request.text = text[:index]
+                    return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.config.max_position_embeddings:
+            return "length"
+        return None
+
+    # ---- offline driver -------------------------------------------------------------------------
+    def run_until_done(self, request_ids: list[str], use_tqdm: bool = False) -> dict:
+        from k3core.llm import CompletionOutput
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(request_ids), desc="generate", unit="req")
+        pending = set(request_ids)
+        while pending:
+            if not self.has_work:
+                raise RuntimeError("the engine has no work left but requests are unfinished (this is a bug)")
+            for output in self.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    if progress is not None:
+                        progress.update(1)
+            pending = {r for r in pending if not self.requests[r].is_finished}
+        if progress is not None:
+            progress.close()
+        results = {}
+        for request_id in request_ids:
+            request = self.requests.pop(request_id)
+            text = request.text or self.llm.tokenizer.decode(request.output_token_ids)
+            results[request_id] = CompletionOutput(
+                request_id, request.prompt_token_ids, list(request.output_token_ids), text,
+                request.finish_reason or "abort", request.num_cached_tokens,
+                request.output_logprobs if request.params.logprobs is not None else None)
+        return results
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if self.cache is None:
+            return True
+        self.cache.flush()
+        return True
+
+    def memory_usage(self):
+        return self.pool.usage()
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        if self.cache is not None:
+            self.cache.check_invariants()
+        running = self.scheduler.running
+        owned = [p for r in running for p in r.owned_pages]
+        assert len(owned) == len(set(owned)), "a page is owned by two running requests"
+        slots = [r.working_slot for r in running if r.working_slot is not None]
+        assert len(slots) == len(set(slots)), "a working slot is held by two requests"
+        for request in running:
+            assert request.working_slot is not None, f"running request {request.request_id} has no working slot"
+            assert len(request.page_handles) * self.page_size >= request.num_computed_tokens, (
+                f"request {request.request_id} has fed more tokens than its pages hold")
+        for request in self.scheduler.waiting:
+            assert request.working_slot is None and not request.page_handles, (
+                f"waiting request {request.request_id} still holds memory")

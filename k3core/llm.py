@@ -1,0 +1,141 @@
+"""The public Python API: `LLM(model, backend, device, dtype)` with `prompt_logits` and `generate`.
+
+    from k3core import LLM, SamplingParams
+    llm = LLM("k3-tiny", backend="torch", device="cpu", dtype="float32")
+    llm.prompt_logits([1, 2, 3])            # [3, vocab] float32, one full-sequence forward
+    outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
+    outs[0].token_ids                       # the generated tokens only
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from k3core.backend import OpSpec, select_ops
+from k3core.config import ModelConfig, list_presets, load_config
+from k3core.model.batch import ScratchState, SeqWork, build_forward_batch
+from k3core.model.network import Network
+from k3core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from k3core.parallel.plan import ParallelPlan
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]               # generated tokens only
+    text: str
+    finish_reason: str                 # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+
+
+class LLM:
+    def __init__(self, model: str = "k3-tiny", backend: str = "torch", device: str = "cpu",
+                 dtype: str | torch.dtype = "float32", seed: int = 0, plan: "ParallelPlan | None" = None,
+                 rank: int = 0, **engine_options):
+        from k3core.parallel.comm import SINGLE, build_communicator
+        from k3core.parallel.plan import ParallelPlan
+        from k3core.parallel.runner import ModelRunner
+        from k3core.parallel.shard import shard_model
+
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        self.config: ModelConfig = load_config(model)
+        self.model_name = str(model)
+        self.plan = plan or ParallelPlan()
+        self.plan.check(self.config)
+        self.rank = rank
+        # Under a plan the full weights are built on the host, sharded, and only this rank's part moves.
+        build_device = self.device if self.plan.is_single else torch.device("cpu")
+        self.is_random = str(model) in list_presets() or Path(str(model)).suffix in (".yaml", ".yml")
+        if self.is_random:
+            from k3core.model.weights import init_random_weights
+            weights = init_random_weights(self.config, seed=seed, dtype=self.dtype, device=build_device)
+        else:
+            from k3core.model.loader import load_checkpoint
+            weights = load_checkpoint(model, self.config, dtype=self.dtype, device=build_device)
+        self.ops = select_ops(backend, OpSpec(self.config, self.dtype, self.device))
+        if self.plan.is_single:
+            self.comm = SINGLE
+            self.weights = weights
+            self.network = Network(self.config, weights, self.ops)
+        else:
+            self.comm = build_communicator(self.plan, rank)
+            local = shard_model(self.config, weights, self.plan, rank)
+            self.weights = {name: t.to(self.device) for name, t in local.weights.items()}
+            self.network = Network(local.config, self.weights, self.ops, self.comm, local.layer_ids,
+                                   local.expert_offset)
+        from k3core.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(model, self.config)
+        self.kv_dtype = self.dtype
+        from k3core.engine import Engine, EngineOptions
+        options = EngineOptions(**engine_options)
+        self.runner = ModelRunner(self.network, self.ops, options.page_size, self.device, self.comm)
+        self.engine = Engine(self, options)
+
+    # ---- one-off forward --------------------------------------------------------------------------
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] (float32) of one full-sequence forward from an empty state."""
+        if not self.plan.is_single:
+            raise ValueError("prompt_logits runs the whole model on one device; under a parallel plan use generate")
+        token_ids = self._check_prompt(token_ids)
+        page_size = 16
+        num_pages = -(-len(token_ids) // page_size)
+        state = ScratchState(self.config, num_slots=1, num_pages=num_pages, page_size=page_size,
+                             kv_dtype=self.kv_dtype, device=self.device)
+        work = SeqWork(token_ids, prefix_len=0, slot_position=0, page_positions=range(num_pages), want_logits="all")
+        return self.network.forward(build_forward_batch([work], page_size, self.device), state)
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int] | str],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        if params is None:
+            params = SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        ids = [self.engine.add_request(self._encode(p), sp) for p, sp in zip(prompts, params_list)]
+        results = self.engine.run_until_done(ids, use_tqdm=use_tqdm)
+        return [results[i] for i in ids]
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def memory_usage(self):
+        return self.engine.memory_usage()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _encode(self, prompt: Sequence[int] | str) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_prompt(self.tokenizer.encode(prompt))
+        return self._check_prompt(prompt)
+
+    def _check_prompt(self, token_ids: Sequence[int]) -> list[int]:
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(token_ids) > self.config.max_position_embeddings:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but the model's maximum context length is "
+                             f"{self.config.max_position_embeddings}")
+        return token_ids

@@ -1,0 +1,147 @@
+"""The two token mixers: KDA (K3_ARCHITECTURE.md §3.2) and gated MLA (§3.3), built only from backend ops.
+
+Both take the normalised attention input x [T, H] of a ForwardBatch and read/write the sequence state through
+`StateViews` by slot / page position.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3core.config import ModelConfig
+from k3core.model.batch import ForwardBatch, StateViews
+from k3core.ops import KdaGateParams
+
+
+class KdaLayer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, kda_index: int):
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        self.config = config
+        self.kda_index = kda_index
+        self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
+        # q, k, v projections fused into one GEMM; their depthwise conv weights packed the same way.
+        self.w_qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                w("self_attn.v_proj.weight")])                         # [3P, H]
+        self.conv_weight = torch.cat([w("self_attn.q_conv1d.weight"), w("self_attn.k_conv1d.weight"),
+                                      w("self_attn.v_conv1d.weight")]).squeeze(1).float()  # [3P, K_conv]
+        self.w_f_a, self.w_f_b = w("self_attn.f_a_proj.weight"), w("self_attn.f_b_proj.weight")
+        self.w_b = w("self_attn.b_proj.weight")
+        self.gate = KdaGateParams(A_log=w("self_attn.A_log").float(), dt_bias=w("self_attn.dt_bias").float(),
+                                  form=config.kda_gate, lower_bound=config.kda_gate_lower_bound)
+        if config.kda_output_gate == "full_rank":
+            self.w_g, self.w_g_a, self.w_g_b = w("self_attn.g_proj.weight"), None, None
+        else:
+            self.w_g, self.w_g_a, self.w_g_b = None, w("self_attn.g_a_proj.weight"), w("self_attn.g_b_proj.weight")
+        self.w_o_norm, self.w_o = w("self_attn.o_norm.weight"), w("self_attn.o_proj.weight")
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, ops, x: torch.Tensor, batch: ForwardBatch, state: StateViews) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        heads = (num_tokens, self.num_heads, self.head_dim)
+        qkv = F.linear(x, self.w_qkv)                                                   # [T, 3P]
+        conv_state = state.conv_state(self.kda_index)
+        if batch.is_decode:
+            qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)
+        else:
+            qkv = ops.short_conv_prefill(qkv, self.conv_weight, batch.cu_seqlens, conv_state,
+                                         batch.slot_positions, batch.has_initial_state)
+        q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))                      # [T, Hk, D] each
+        f = F.linear(F.linear(x, self.w_f_a), self.w_f_b).reshape(heads)                # [T, Hk, D]
+        beta_logits = F.linear(x, self.w_b)                                             # [T, Hk]
+        recurrent = state.kda_state(self.kda_index)
+        if batch.is_decode:
+            o = ops.kda_decode(q, k, v, f, beta_logits, self.gate, recurrent, batch.slot_positions, self.scale)
+        else:
+            o = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, batch.cu_seqlens, recurrent,
+                                batch.slot_positions, batch.has_initial_state, self.scale).output
+        if self.w_g is not None:
+            z = F.linear(x, self.w_g)
+        else:
+            z = F.linear(F.linear(x, self.w_g_a), self.w_g_b)
+        o = ops.gated_rms_norm(o, z.reshape(heads), self.w_o_norm, self.config.rms_norm_eps)  # [T, Hk, D]
+        return F.linear(o.reshape(num_tokens, -1), self.w_o)                            # [T, H]
+
+
+class MlaLayer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, mla_index: int,
+                 dcp_group=None):
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        self.config = config
+        self.dcp = dcp_group                  # None, or the DCP group when MLA tokens are split by position
+        self.mla_index = mla_index
+        self.num_heads = config.mla_num_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_rank = config.kv_lora_rank
+        if config.q_lora_rank is not None:
+            self.w_q = None
+            self.w_q_a, self.w_q_a_norm = w("self_attn.q_a_proj.weight"), w("self_attn.q_a_layernorm.weight")
+            self.w_q_b = w("self_attn.q_b_proj.weight")
+        else:
+            self.w_q = w("self_attn.q_proj.weight")
+        self.w_kv_a, self.w_kv_a_norm = w("self_attn.kv_a_proj_with_mqa.weight"), w("self_attn.kv_a_layernorm.weight")
+        self.w_kv_b = w("self_attn.kv_b_proj.weight")                                   # [Hm*(nope+v), r]
+        kv_b = self.w_kv_b.reshape(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        self.w_kc = kv_b[:, : self.nope, :]                                             # [Hm, nope, r]
+        self.w_vc = kv_b[:, self.nope:, :].transpose(1, 2).contiguous()                 # [Hm, r, v]
+        self.w_gate = w("self_attn.g_proj.weight") if config.mla_output_gate else None
+        self.w_o = w("self_attn.o_proj.weight")
+        self.scale = config.qk_head_dim ** -0.5     # NoPE: no rotary, no YaRN mscale
+
+    def forward(self, ops, x: torch.Tensor, batch: ForwardBatch, state: StateViews) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        eps = self.config.mla_latent_norm_eps
+        if self.w_q is not None:
+            q = F.linear(x, self.w_q)
+        else:
+            q = F.linear(ops.rms_norm(F.linear(x, self.w_q_a), self.w_q_a_norm, eps), self.w_q_b)
+        q = q.reshape(num_tokens, self.num_heads, self.nope + self.rope)                # [T, Hm, Dqk]
+        kv_a = F.linear(x, self.w_kv_a)                                                 # [T, r + rope]
+        latent = torch.cat([ops.rms_norm(kv_a[:, : self.kv_rank], self.w_kv_a_norm, eps),
+                            kv_a[:, self.kv_rank:]], dim=-1)                            # [T, D_latent]
+        cache = state.mla_kv(self.mla_index)
+        owned = latent if batch.dcp_size == 1 else latent[batch.new_owned_rows]        # DCP: store my tokens only
+        cache[batch.new_page, batch.new_offset] = owned.to(cache.dtype)
+        if batch.is_decode:
+            o = self._decode(ops, q, cache, batch)
+        else:
+            o = self._prefill(ops, q, cache, batch)
+        o = o.reshape(num_tokens, self.num_heads * self.v_dim)                          # [T, Hm*v]
+        if self.w_gate is not None:
+            o = o * torch.sigmoid(F.linear(x, self.w_gate))
+        return F.linear(o, self.w_o)
+
+    def _prefill(self, ops, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        keys = cache[batch.key_page, batch.key_offset].to(q.dtype)                     # [Tk_local, D_latent]
+        if batch.dcp_size > 1:
+            keys = torch.cat(self.dcp.all_gather_varlen(keys))[batch.key_gather_index]  # [Tk, D_latent]
+        kv = F.linear(keys[:, : self.kv_rank], self.w_kv_b)
+        kv = kv.reshape(-1, self.num_heads, self.nope + self.v_dim)                     # [Tk, Hm, nope+v]
+        k_pe = keys[:, None, self.kv_rank:].expand(-1, self.num_heads, self.rope)       # [Tk, Hm, rope]
+        k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)                             # [Tk, Hm, Dqk]
+        v = kv[..., self.nope:].contiguous()                                            # [Tk, Hm, v]
+        return ops.mla_prefill(q, k, v, batch.cu_seqlens, batch.cu_seqlens_k, self.scale)
+
+    def _decode(self, ops, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # Weight absorption: score = q_nope . (W_kc c) = (W_kc^T q_nope) . c, so attention runs over the latent.
+        q_latent = torch.einsum("bhn,hnr->bhr", q[..., : self.nope], self.w_kc.to(q.dtype))  # [B, Hm, r]
+        q_full = torch.cat([q_latent, q[..., self.nope:]], dim=-1)                      # [B, Hm, r + rope]
+        if batch.dcp_size > 1:
+            return self._decode_dcp(ops, q_full, cache, batch)
+        out = ops.mla_decode(q_full, cache, batch.page_table, batch.seq_lens, self.scale, self.kv_rank)
+        return torch.einsum("bhr,hrv->bhv", out.output.to(q.dtype), self.w_vc.to(q.dtype))  # [B, Hm, v]
+
+    def _decode_dcp(self, ops, q_full: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Each rank attends every DCP member's queries over its own 1/dcp of the tokens; an all-gather of the
+        partial outputs and their LSEs lets each rank merge its own heads exactly."""
+        members = self.dcp.size
+        heads = q_full.shape[1]
+        q_all = torch.cat(self.dcp.all_gather(q_full), dim=1)                            # [B, dcp*Hm, D_latent]
+        local = batch.local_seq_lens
+        out = ops.mla_decode(q_all, cache, batch.page_table, local.clamp(min=1), self.scale, self.kv_rank)
+        lse = torch.where(local[:, None] > 0, out.lse, torch.full_like(out.lse, float("-inf")))  # [B, dcp*Hm]
+        block = slice(self.dcp.index * heads, (self.dcp.index + 1) * heads)
+        outputs = [o[:, block].float() for o in self.dcp.all_gather(out.output.float())]  # dcp x [B, Hm, r]
+        lses = torch.stack([part[:, block] for part in self.dcp.all_gather(lse)])        # [dcp, B, Hm]
+        weights = torch.softmax(lses, dim=0)                                             # exact LSE merge
+        merged = sum(weights[j][..., None] * outputs[j] for j in range(members))         # [B, Hm, r]
+        return torch.einsum("bhr,hrv->bhv", merged.to(q_full.dtype), self.w_vc.to(q_full.dtype))

@@ -1,0 +1,180 @@
+"""ForwardBatch: what the engine hands the network for one step, and where the sequence state lives.
+
+A step runs any mix of sequences, each with `prefix_len` tokens already in its state (KDA slot and MLA pages)
+and some new tokens. All index tensors are built once here on the host side and moved to the device together,
+so the network does no host work per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+class StateViews(Protocol):
+    """Per-layer views of the sequence state (the unified pool implements this; so does ScratchState)."""
+
+    def kda_state(self, kda_layer: int) -> torch.Tensor: ...     # [num_slot_positions, H, V, K] float32
+    def conv_state(self, kda_layer: int) -> torch.Tensor: ...    # [num_slot_positions, K_conv - 1, C]
+    def mla_kv(self, mla_layer: int) -> torch.Tensor: ...        # [num_page_positions, page_size, D_latent]
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a step."""
+    new_token_ids: Sequence[int]
+    prefix_len: int                  # tokens already in the KDA slot and the MLA pages
+    slot_position: int               # KDA slot position (pool index)
+    page_positions: Sequence[int]    # MLA page positions covering prefix_len + len(new_token_ids) tokens
+    want_logits: str = "last"        # "last" | "all" | "none"
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor          # [T] int64
+    cu_seqlens: torch.Tensor         # [B+1] int32, new tokens
+    cu_seqlens_k: torch.Tensor       # [B+1] int32, prefix + new tokens
+    prefix_lens: torch.Tensor        # [B] int32
+    seq_lens: torch.Tensor           # [B] int32, prefix + new
+    has_initial_state: torch.Tensor  # [B] bool
+    slot_positions: torch.Tensor     # [B] int64
+    page_table: torch.Tensor         # [B, max_pages] int32
+    new_page: torch.Tensor           # [T] int64 page position of each new token
+    new_offset: torch.Tensor         # [T] int64 offset in its page
+    key_page: torch.Tensor           # [Tk] int64 page position of every key (prefix + new) of every sequence
+    key_offset: torch.Tensor         # [Tk] int64
+    logit_rows: torch.Tensor         # [R] int64 rows of T whose logits are returned
+    page_size: int                   # tokens per physical page on this rank
+    num_seqs: int
+    is_decode: bool                  # every sequence feeds exactly one token on top of a non-empty prefix
+    # decode context parallelism: this rank keeps tokens i with i % dcp_size == dcp_rank (all None when dcp_size 1)
+    dcp_size: int = 1
+    new_owned_rows: torch.Tensor | None = None      # [T_own] rows of T whose latent this rank stores
+    local_seq_lens: torch.Tensor | None = None      # [B] int32 tokens of each sequence stored here
+    key_gather_index: torch.Tensor | None = None    # [Tk] rows of the DCP-gathered local keys, in global order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.device | str,
+                        dcp_size: int = 1, dcp_rank: int = 0) -> ForwardBatch:
+    """`page_size` is the physical page of this rank; with DCP a logical page (what the scheduler counts) holds
+    page_size * dcp_size tokens, of which this rank stores every dcp_size-th, so local token j of a sequence sits at
+    page_table[j // page_size], offset j % page_size, exactly as without DCP."""
+    is_decode = bool(work) and all(len(w.new_token_ids) == 1 and w.prefix_len > 0 for w in work)
+    logical = page_size * dcp_size
+    tokens: list[int] = []
+    cu, cu_k = [0], [0]
+    prefix, seq_lens, local_lens, slots, logit_rows = [], [], [], [], []
+    new_page, new_offset, owned_rows, key_page, key_offset = [], [], [], [], []
+    max_pages = max((len(w.page_positions) for w in work), default=0)
+    table = torch.zeros(len(work), max_pages, dtype=torch.int64)
+    for b, item in enumerate(work):
+        num_new = len(item.new_token_ids)
+        total = item.prefix_len + num_new
+        if num_new == 0:
+            raise ValueError("a sequence in a step must feed at least one new token")
+        if len(item.page_positions) * logical < total:
+            raise ValueError(f"sequence needs {total} tokens of MLA pages but holds {len(item.page_positions)} "
+                             f"pages of {logical}")
+        start = len(tokens)
+        tokens.extend(int(t) for t in item.new_token_ids)
+        cu.append(len(tokens))
+        cu_k.append(cu_k[-1] + total)
+        prefix.append(item.prefix_len)
+        seq_lens.append(total)
+        local_lens.append(max(0, (total - dcp_rank + dcp_size - 1) // dcp_size))
+        slots.append(item.slot_position)
+        pages = torch.as_tensor(list(item.page_positions), dtype=torch.int64)
+        table[b, : len(pages)] = pages
+        new_pos = torch.arange(item.prefix_len, total)                      # [num_new]
+        mine = new_pos % dcp_size == dcp_rank
+        local_index = new_pos[mine] // dcp_size                            # j-th token stored on this rank
+        new_page.append(pages[local_index // page_size])
+        new_offset.append(local_index % page_size)
+        owned_rows.append(start + torch.nonzero(mine).flatten())
+        if not is_decode:                                                   # decode reads keys by page table
+            key_local = torch.arange(local_lens[-1])                        # [local keys of this sequence]
+            key_page.append(pages[key_local // page_size])
+            key_offset.append(key_local % page_size)
+        if item.want_logits == "all":
+            logit_rows.extend(range(start, start + num_new))
+        elif item.want_logits == "last":
+            logit_rows.append(start + num_new - 1)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    def cat(parts):
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(device)
+
+    dcp_fields = {}
+    if dcp_size > 1:
+        dcp_fields = dict(new_owned_rows=cat(owned_rows), local_seq_lens=tensor(local_lens, torch.int32))
+        if not is_decode:
+            dcp_fields["key_gather_index"] = _dcp_key_order(seq_lens, dcp_size).to(device)
+    return ForwardBatch(
+        token_ids=tensor(tokens, torch.int64),
+        cu_seqlens=tensor(cu, torch.int32),
+        cu_seqlens_k=tensor(cu_k, torch.int32),
+        prefix_lens=tensor(prefix, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        has_initial_state=tensor([p > 0 for p in prefix], torch.bool),
+        slot_positions=tensor(slots, torch.int64),
+        page_table=table.to(torch.int32).to(device),
+        new_page=cat(new_page),
+        new_offset=cat(new_offset),
+        key_page=cat(key_page),
+        key_offset=cat(key_offset),
+        logit_rows=tensor(logit_rows, torch.int64),
+        page_size=page_size,
+        num_seqs=len(work),
+        is_decode=is_decode,
+        dcp_size=dcp_size,
+        **dcp_fields,
+    )
+
+
+def _dcp_key_order(seq_lens: list[int], dcp_size: int) -> torch.Tensor:
+    """Index into the concatenation [rank 0's local keys, rank 1's, ...] (each rank's keys sequence by sequence)
+    that puts every sequence's keys back in position order."""
+    local = [[max(0, (n - r + dcp_size - 1) // dcp_size) for n in seq_lens] for r in range(dcp_size)]
+    rank_base = [0]
+    for r in range(dcp_size):
+        rank_base.append(rank_base[-1] + sum(local[r]))
+    parts = []
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        owner = pos % dcp_size
+        seq_base = torch.tensor([rank_base[r] + sum(local[r][:b]) for r in range(dcp_size)])
+        parts.append(seq_base[owner] + pos // dcp_size)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+class ScratchState:
+    """Dense per-layer state for a fixed number of slots and pages: for one-off forwards and tests that do not need
+    the unified pool (e.g. `LLM.prompt_logits`). Slot i and page j are simply positions i and j."""
+
+    def __init__(self, config, num_slots: int, num_pages: int, page_size: int, kv_dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        conv_channels = 3 * config.kda_proj_size
+        window = config.conv_kernel_size - 1
+        num_kda, num_mla = len(config.kda_layer_ids), len(config.mla_layer_ids)
+        self._kda = [torch.zeros(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
+                                 dtype=torch.float32, device=device) for _ in range(num_kda)]
+        self._conv = [torch.zeros(num_slots, window, conv_channels, dtype=kv_dtype, device=device)
+                      for _ in range(num_kda)]
+        self._mla = [torch.zeros(num_pages, page_size, config.mla_latent_width, dtype=kv_dtype, device=device)
+                     for _ in range(num_mla)]
+
+    def kda_state(self, kda_layer: int) -> torch.Tensor:
+        return self._kda[kda_layer]
+
+    def conv_state(self, kda_layer: int) -> torch.Tensor:
+        return self._conv[kda_layer]
+
+    def mla_kv(self, mla_layer: int) -> torch.Tensor:
+        return self._mla[mla_layer]

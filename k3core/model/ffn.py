@@ -1,0 +1,64 @@
+"""The feed-forward sublayers: a dense GLU MLP and the (Latent)MoE (K3_ARCHITECTURE.md §3.4)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3core.config import ModelConfig
+
+
+class DenseMlp:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+        self.config = config
+        self.w_gate_up = torch.cat([weights[prefix + "gate_proj.weight"],
+                                    weights[prefix + "up_proj.weight"]])                # [2I, H]
+        self.w_down = weights[prefix + "down_proj.weight"]                              # [H, I]
+
+    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        hidden = ops.glu_activation(F.linear(x, self.w_gate_up), c.activation, c.situ_beta, c.situ_linear_beta)
+        return F.linear(hidden, self.w_down)
+
+
+class MoeMlp:
+    """Router and shared experts read the full-width x; routed experts run at the latent width when LatentMoE is on,
+    and the combined latent output is normalised (after the weighted sum) before projecting back up."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, comm=None,
+                 expert_offset: int = 0):
+        w = lambda name: weights[prefix + name]  # noqa: E731
+        self.config = config
+        # Under a parallel plan the routed experts of this rank give a partial sum (its experts under EP, its slice
+        # of every expert's width under TP), reduced BEFORE the latent norm: the norm of a sum is not a sum of norms.
+        self.reduce_routed = (comm.ep if comm.plan.ep > 1 else comm.tp).all_reduce if comm else None
+        self.reduce_shared = comm.tp.all_reduce if comm else None
+        self.expert_offset = expert_offset
+        self.w_router = w("gate.weight").float()                                       # [E, H]
+        self.correction_bias = w("gate.e_score_correction_bias").float() if config.router_correction_bias else None
+        self.w13, self.w2 = w("experts.w13"), w("experts.w2")                           # [E, 2I, De], [E, De, I]
+        self.shared = DenseMlp(config, weights, prefix + "shared_experts.") if config.num_shared_experts else None
+        if config.moe_latent_size is not None:
+            self.w_latent_down = w("routed_expert_down_proj.weight")                    # [De, H]
+            self.w_latent_up = w("routed_expert_up_proj.weight")                        # [H, De]
+        else:
+            self.w_latent_down = self.w_latent_up = None
+        self.w_latent_norm = w("routed_expert_norm.weight") if config.moe_latent_norm else None
+
+    def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        logits = F.linear(x.float(), self.w_router)                                    # [T, E] float32
+        route = ops.moe_route(logits, self.correction_bias, c.num_experts_per_token, c.router_scoring,
+                              c.moe_renormalize, c.routed_scaling_factor)
+        z = F.linear(x, self.w_latent_down) if self.w_latent_down is not None else x     # [T, De]
+        y = ops.moe_experts(z, self.w13, self.w2, route.weights, route.expert_ids, c.activation, c.situ_beta,
+                            c.situ_linear_beta, self.expert_offset)
+        if self.reduce_routed is not None:
+            y = self.reduce_routed(y)
+        if self.w_latent_norm is not None:
+            y = ops.rms_norm(y, self.w_latent_norm, c.rms_norm_eps)
+        if self.w_latent_up is not None:
+            y = F.linear(y, self.w_latent_up)                                           # [T, H]
+        if self.shared is not None:
+            shared = self.shared.forward(ops, x)
+            y = y + (self.reduce_shared(shared) if self.reduce_shared is not None else shared)
+        return y

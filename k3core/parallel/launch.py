@@ -1,0 +1,96 @@
+"""Starting the ranks of a plan: local processes (one per GPU, or CPU processes over gloo), or torchrun.
+
+`spawn(fn, plan, args)` starts `plan.world_size` local processes, initialises torch.distributed in each (NCCL on
+CUDA/ROCm devices, gloo on the CPU), calls `fn(rank, plan, *args)` and returns every rank's result in rank
+order. Under torchrun (or any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR), `init_from_env()` joins the
+existing world instead; multi-node runs use `--nnodes/--node-rank/--dist-init-addr` like SGLang.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3core.parallel.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class DistSetup:
+    init_addr: str                 # host:port of rank 0
+    nnodes: int = 1
+    node_rank: int = 0
+    device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL / RCCL)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, setup: DistSetup) -> torch.device:
+    """Join the process group; returns this rank's device."""
+    backend = "nccl" if setup.device == "cuda" else "gloo"
+    device = torch.device("cpu")
+    if setup.device == "cuda":
+        local = rank % max(torch.cuda.device_count(), 1)
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    dist.init_process_group(backend, init_method=f"tcp://{setup.init_addr}", rank=rank, world_size=world_size)
+    return device
+
+
+def init_from_env(device: str = "cpu") -> tuple[int, int, torch.device]:
+    """Join a world set up by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    return rank, world, init_rank(rank, world, DistSetup(addr, device=device))
+
+
+def _worker(rank: int, fn: Callable, plan: ParallelPlan, setup: DistSetup, args: tuple, results) -> None:
+    global_rank = setup.node_rank * (plan.world_size // setup.nnodes) + rank
+    try:
+        torch.set_num_threads(1)          # several ranks share a few CPU cores
+        device = init_rank(global_rank, plan.world_size, setup)
+        results.put((global_rank, "ok", fn(global_rank, plan, device, *args)))
+    except BaseException:                 # report every failure to the parent instead of hanging it
+        results.put((global_rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], plan: ParallelPlan, args: tuple = (), setup: DistSetup | None = None,
+          timeout_s: float = 600.0) -> list[Any]:
+    """Run `fn(rank, plan, device, *args)` on every local rank; `fn` must be a module-level function."""
+    setup = setup or DistSetup(f"127.0.0.1:{free_port()}")
+    local_ranks = plan.world_size // setup.nnodes
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_worker, args=(r, fn, plan, setup, args, results), daemon=True)
+                 for r in range(local_ranks)]
+    for process in processes:
+        process.start()
+    collected: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in processes:
+            rank, status, value = results.get(timeout=timeout_s)
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            collected[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=5 if errors else 60)
+            if process.is_alive():
+                process.terminate()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [collected[r] for r in sorted(collected)]

@@ -1,0 +1,33 @@
+"""`python -m k3core.serve [--model PATH|PRESET] [--port 30000] [--config FILE.yaml] ...`: the OpenAI-compatible
+server. `--help` lists every flag; docs/serving.md has a quickstart."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from k3core.config import list_presets
+from k3core.serve.args import DEFAULT_MODEL, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("k3core.serve")
+    if args.model in list_presets():
+        default = " (the default)" if args.model == DEFAULT_MODEL else ""
+        log.warning("serving the preset %s%s with RANDOM weights: the API works, the text is noise. "
+                    "Pass --model CHECKPOINT_DIR for a real model.", args.model, default)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("binding to %s without --api-key: anyone who can reach this address can use the server",
+                    args.host)
+    log.info("device %s, dtype %s, backend %s; listening on http://%s:%d (health: /health turns 200 after "
+             "the warm-up request)", args.resolved_device(), args.resolved_dtype(), args.backend, args.host,
+             args.port)
+    from k3core.serve.launch import build_server
+    server = build_server(args)
+    server.run()
+    return 1 if server.engine.error is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

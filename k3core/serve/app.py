@@ -1,0 +1,252 @@
+"""The HTTP routes: OpenAI completions and chat (whole or streamed), models, health, metrics, abort, flush.
+
+Routes run on the event loop and never call the engine: they parse and check the request, tokenize, hand the
+engine requests to the engine thread (`Generation.start`) and relay its events. Every error a client can cause
+leaves in the OpenAI envelope with its status (see `protocol.APIError`), and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3core.sampling_params import SamplingParams
+from k3core.serve import responses
+from k3core.serve.args import ServerArgs
+from k3core.serve.engine_thread import EngineThread, ModelInfo
+from k3core.serve.generation import Generation
+from k3core.serve.metrics import ServerMetrics
+from k3core.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, parse_chat, \
+    parse_completion
+from k3core.serve.text import chat_prompt_ids
+
+DISCONNECT_POLL_S = 0.5      # a non-streaming request checks this often whether its client is still there
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(title="k3core", docs_url=None, redoc_url=None, openapi_url=None)
+    generations: dict[str, Generation] = {}        # request id -> its live generation, for /abort_request
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
+                        f"/v1/chat/completions", 405: f"method {request.method} is not allowed on {request.url.path}"}
+        return error_response(APIError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code,
+                                       type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(f"internal server error ({type(exc).__name__}: {exc})", status=500,
+                                       type="server_error"))
+
+    # ---- shared steps ---------------------------------------------------------------------------------
+    def authorize(request: Request) -> None:
+        if args.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), args.api_key.encode()):
+            raise APIError("invalid API key: send `Authorization: Bearer <key>` with the key the server was started "
+                           "with", status=401, code="invalid_api_key")
+
+    def ready_info() -> ModelInfo:
+        if engine.error is not None:
+            raise APIError(f"the engine failed to start ({engine.error}); fix it and restart the server",
+                           status=503, type="server_error", code="engine_failed")
+        if not engine.ready.is_set() or engine.info is None:
+            raise APIError("the engine is still warming up; retry in a few seconds", status=503,
+                           type="server_error", code="engine_not_ready")
+        return engine.info
+
+    async def read_json(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > args.max_body_bytes:
+            raise APIError(f"the request body has {declared} bytes; this server accepts at most "
+                           f"{args.max_body_bytes} (--max-body-bytes)", status=413, code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > args.max_body_bytes:
+                raise APIError(f"the request body is larger than {args.max_body_bytes} bytes (--max-body-bytes)",
+                               status=413, code="request_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+
+    def check_model(name: str) -> None:
+        if name != args.model_name:
+            raise APIError(f"the model {name!r} does not exist; this server serves {args.model_name!r}",
+                           status=404, param="model", code="model_not_found", type="invalid_request_error")
+
+    def check_lengths(info: ModelInfo, prompts: list[list[int]], req: SamplingRequest, chat: bool) -> int:
+        """Check every prompt against the context and the vocabulary; return max_tokens to use."""
+        longest = max(len(p) for p in prompts)
+        for prompt in prompts:
+            bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} in the prompt is outside the vocabulary (0..{info.vocab_size - 1})",
+                               param="prompt", code="invalid_value")
+        if longest > info.context_length:
+            raise APIError(f"This model's maximum context length is {info.context_length} tokens. However, your "
+                           f"request has {longest} input tokens. Please reduce the length of the input.",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(min(args.default_max_tokens, info.context_length - longest), 1)
+        name = "max_completion_tokens" if chat else "max_tokens"
+        if longest + max_tokens > info.context_length:
+            raise APIError(f"This model's maximum context length is {info.context_length} tokens. However, you "
+                           f"requested {longest + max_tokens} tokens ({longest} in the input, {max_tokens} in the "
+                           f"completion). Please reduce the length of the input or of the completion.",
+                           param=name if chat else "max_tokens", code="context_length_exceeded")
+        room = info.max_request_tokens()
+        if longest + max_tokens > room:
+            raise APIError(f"the request needs {longest + max_tokens} tokens of KV memory but the pool holds at most "
+                           f"{room} for one request; lower max_tokens or restart with a larger --memory-bytes",
+                           param=name, code="request_too_large_for_memory")
+        return max_tokens
+
+    def sampling_params(req: SamplingRequest, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                  top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
+                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                  logprobs=req.logprobs)
+        except ValueError as exc:
+            raise APIError(str(exc), code="invalid_value") from None
+
+    async def collect(gen: Generation, request: Request) -> None:
+        """Wait for every choice; abort them all if the client disconnects meanwhile."""
+        try:
+            async for choice, _, _ in gen.events(poll_s=DISCONNECT_POLL_S):
+                if choice is None and await request.is_disconnected():
+                    return
+        finally:
+            gen.close()
+        if gen.error is not None:
+            rejected = any(c.finish_reason == "rejected" for c in gen.choices)
+            raise APIError(gen.error, status=400 if rejected else 500,
+                           type="invalid_request_error" if rejected else "server_error")
+
+    async def stream(gen: Generation, model: str, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events, one per engine event with something to say; a cancelled stream aborts the rest."""
+        try:
+            offsets = [0] * len(gen.choices)
+            if chat:
+                yield responses.sse(responses.chat_chunk(gen, model, [
+                    responses.chat_choice_delta(gen, c, {"role": "assistant", "content": ""}, [], [], False)
+                    for c in gen.choices]))
+            async for choice, delta, event in gen.events():
+                token_ids, entries = event.new_token_ids, event.new_logprobs
+                if not delta and not choice.finished and not (entries and gen.params.logprobs is not None):
+                    continue
+                if chat:
+                    body = responses.chat_chunk(gen, model, [responses.chat_choice_delta(
+                        gen, choice, {"content": delta} if delta else {}, token_ids, entries, choice.finished)])
+                else:
+                    body = responses.completion_chunk(gen, model, [responses.completion_choice(
+                        gen, choice, delta, token_ids, entries, offsets[choice.index], choice.finished)])
+                    offsets[choice.index] += len(delta)
+                yield responses.sse(body)
+            if gen.error is not None:
+                yield responses.sse(APIError(gen.error, status=500, type="server_error").body())
+            if gen.include_usage:
+                chunk = responses.chat_chunk if chat else responses.completion_chunk
+                yield responses.sse(chunk(gen, model, [], gen.usage()))
+            yield responses.SSE_DONE
+        finally:
+            gen.close()
+
+    async def serve(request: Request, chat: bool) -> Response:
+        arrived = time.monotonic()
+        authorize(request)
+        body = await read_json(request)
+        req: CompletionRequest | ChatRequest = parse_chat(body) if chat else parse_completion(body)
+        check_model(req.model)
+        info = ready_info()
+        if chat:
+            prompts = [chat_prompt_ids(info.tokenizer, req.messages)]
+        else:
+            prompts = [list(info.tokenizer.encode(p)) if isinstance(p, str) else p for p in req.prompts]
+        if any(not p for p in prompts):
+            raise APIError("the prompt encodes to no tokens; give some text", param="prompt", code="invalid_value")
+        params = sampling_params(req, check_lengths(info, prompts, req, chat))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
+                         include_usage=req.include_usage)
+        gen.start(arrived)
+        if req.stream:
+            return StreamingResponse(stream(gen, args.model_name, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await collect(gen, request)
+        if not gen.finished:
+            return Response(status_code=499)        # the client left; nobody reads this
+        return JSONResponse(responses.chat_body(gen, args.model_name) if chat
+                            else responses.completion_body(gen, args.model_name))
+
+    # ---- routes ---------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        card: dict[str, Any] = {"id": args.model_name, "object": "model", "created": int(time.time()),
+                                "owned_by": "k3core"}
+        if engine.info is not None:
+            card["max_model_len"] = engine.info.context_length
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready_info()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        authorize(request)
+        body = await read_json(request)
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            raise APIError("give the id of the request to abort as {\"rid\": \"cmpl-...\"}", param="rid",
+                           code="invalid_type")
+        gen = generations.get(rid)
+        if gen is None:
+            raise APIError(f"no running request has id {rid!r} (it may have finished already)", status=404,
+                           param="rid", code="request_not_found")
+        gen.abort()
+        return JSONResponse({"success": True, "rid": rid})
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> JSONResponse:
+        authorize(request)
+        ready_info()
+        flushed = await asyncio.wrap_future(engine.flush_cache())
+        return JSONResponse({"success": bool(flushed)})
+
+    return app

@@ -1,0 +1,186 @@
+"""Command-line and YAML arguments of `python -m k3core.serve`, merged into one typed `ServerArgs`.
+
+Precedence: a flag given on the command line beats the same key in `--config FILE.yaml`, which beats the built-in
+default. YAML keys are the long flag names (`memory-fraction: 0.3`; `memory_fraction` is accepted too).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "k3-tiny"
+
+
+@dataclass
+class ServerArgs:
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None     # the name clients pass as `model`; default: the --model value
+    backend: str = "auto"
+    device: str = "auto"                     # auto: cpu for the default k3-tiny, else the GPU when there is one
+    dtype: str = "auto"                      # auto: float32 on the CPU, bfloat16 on a GPU
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    context_length: int | None = None        # cap below the model's max_position_embeddings
+    default_max_tokens: int = 1024           # chat requests without max_tokens: min(this, room left in context)
+    max_body_bytes: int = 32 << 20           # larger request bodies get 413
+    log_level: str = "info"
+    # engine options (k3core.engine.EngineOptions)
+    memory_fraction: float = 0.5
+    memory_bytes: int | None = None
+    max_running_requests: int = 64
+    chunked_prefill_tokens: int = 512
+    page_size: int = 16
+    checkpoint_interval: int = 64
+    disable_prefix_cache: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments for `LLM(..., **engine_options)`."""
+        return dict(prefix_cache=not self.disable_prefix_cache, chunked_prefill_tokens=self.chunked_prefill_tokens,
+                    max_running_requests=self.max_running_requests, page_size=self.page_size,
+                    checkpoint_interval=self.checkpoint_interval, memory_bytes=self.memory_bytes,
+                    memory_fraction=self.memory_fraction)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        if self.model == DEFAULT_MODEL or not torch.cuda.is_available():
+            return "cpu"
+        return "cuda"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+
+_HELP = {
+    "model": f"checkpoint directory, config file or preset name (default {DEFAULT_MODEL}: random weights, CPU)",
+    "served_model_name": "the model name clients must send (default: the --model value)",
+    "backend": "op backend: auto | cuda | rocm | torch",
+    "device": "cpu, cuda, cuda:1, ... (auto: cpu for the default k3-tiny, else a GPU when one is visible)",
+    "dtype": "float32 | bfloat16 | float16 (auto: float32 on the CPU, bfloat16 on a GPU)",
+    "seed": "seed of the random weights of a preset",
+    "host": "address to bind (default loopback only; 0.0.0.0 exposes the server to the network)",
+    "port": "port to bind",
+    "api_key": "require `Authorization: Bearer KEY` on /v1/*, /abort_request and /flush_cache",
+    "context_length": "maximum prompt + completion tokens (default: the model's max_position_embeddings)",
+    "default_max_tokens": "max_tokens of a chat request that gives none (capped by the room left in the context)",
+    "max_body_bytes": "largest accepted request body in bytes (larger: 413)",
+    "log_level": "uvicorn log level: critical | error | warning | info | debug",
+    "memory_fraction": "pool size as a fraction of free device memory (CPU: of 1 GiB)",
+    "memory_bytes": "pool size in bytes (overrides --memory-fraction)",
+    "max_running_requests": "most requests decoding at once",
+    "chunked_prefill_tokens": "token budget of one engine step (prefill is chunked to fit)",
+    "page_size": "tokens per MLA page",
+    "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size)",
+    "disable_prefix_cache": "turn the radix prefix cache off",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m k3core.serve",
+                                     description="OpenAI-compatible HTTP server for k3core models.")
+    parser.add_argument("--config", default=None, help="YAML file whose keys are these long flag names")
+    for field in fields(ServerArgs):
+        default = field.default
+        kind = {"int | None": int, "float": float, "int": int, "str | None": str, "str": str}.get(str(field.type))
+        if field.type == "bool" or isinstance(default, bool):
+            # default=None so that "not given" is distinguishable from "given" when merging with the YAML file
+            parser.add_argument(_flag(field.name), action="store_true", default=None, help=_HELP[field.name])
+        else:
+            parser.add_argument(_flag(field.name), type=kind or str, default=None,
+                                help=f"{_HELP[field.name]} [default: {default}]")
+    return parser
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file {path!r} does not exist; pass an existing YAML file to --config")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path!r} must hold a mapping of flag names to values")
+    known = {f.name for f in fields(ServerArgs)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown key {key!r} in {path}; valid keys: "
+                             f"{', '.join(sorted(_flag(k)[2:] for k in known))}")
+        out[name] = value
+    return out
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Give a YAML value the type of the field (YAML reads `1e9` as a string, `memory-bytes: 1_000` as int)."""
+    default = getattr(ServerArgs, name)
+    if value is None:
+        return None
+    try:
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, int) or name in ("memory_bytes", "context_length"):
+            as_float = float(value)
+            if as_float != int(as_float):
+                raise ValueError
+            return int(as_float)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config key {_flag(name)[2:]!r} has value {value!r} of the wrong type; "
+                         f"give a {type(default).__name__ if default is not None else 'number'}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse flags, merge the YAML file under them, and check the values. Raises SystemExit on bad input."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    merged: dict[str, Any] = {}
+    if namespace.config is not None:
+        try:
+            merged.update({k: _coerce(k, v) for k, v in _load_yaml(namespace.config).items()})
+        except ValueError as exc:
+            parser.error(str(exc))
+    merged.update({k: v for k, v in vars(namespace).items() if k != "config" and v is not None})
+    args = ServerArgs(**merged)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
+    return args
+
+
+def check_args(args: ServerArgs) -> str | None:
+    """The first problem with the arguments, as a sentence, or None."""
+    if not 0 < args.port < 65536:
+        return f"--port {args.port} is not a TCP port; give 1..65535"
+    if args.backend not in ("auto", "cuda", "rocm", "torch"):
+        return f"--backend {args.backend!r} is unknown; choose auto, cuda, rocm or torch"
+    if args.context_length is not None and args.context_length < 2:
+        return f"--context-length {args.context_length} is too small; give at least 2"
+    if args.default_max_tokens < 1:
+        return "--default-max-tokens must be at least 1"
+    if args.max_body_bytes < 1024:
+        return "--max-body-bytes must be at least 1024"
+    try:
+        from k3core.engine import EngineOptions
+        EngineOptions(**args.engine_options())
+    except ValueError as exc:
+        return f"bad engine option: {exc}"
+    return None

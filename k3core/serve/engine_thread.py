@@ -1,0 +1,246 @@
+"""The engine loop on its own thread, and the thread-safe doors the HTTP side uses to reach it.
+
+The engine is not thread-safe, so every engine call (construction, warm-up, add_request, step, abort, flush,
+memory_usage) happens on this one thread. The HTTP side never waits on a step: it drops commands into a
+`queue.Queue` and returns; the thread drains the queue between steps and hands each request's tokens to that
+request's `sink` (a callable that must be safe to call from this thread: the server passes one that does
+`loop.call_soon_threadsafe(queue.put_nowait, event)`).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from k3core.sampling_params import SamplingParams
+from k3core.serve.metrics import EngineSnapshot, ServerMetrics
+
+log = logging.getLogger("k3core.serve")
+
+IDLE_POLL_S = 0.05           # how long an idle loop blocks on the command queue before checking for stop
+WARMUP_PROMPT = [1, 2, 3]
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """What one engine request produced in one step (or why it ended)."""
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None = None        # "stop" | "length" | "abort"; "rejected" (bad request), "error"
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that never change after start-up, safe to read from any thread."""
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+    is_random: bool
+    page_size: int
+    slot_bytes: int
+    page_bytes: int
+    capacity_bytes: int
+    prefix_cache: bool
+
+    def max_request_tokens(self) -> int:
+        """The most prompt + completion tokens one request may hold: the context, or what the pool can hold."""
+        pages = max((self.capacity_bytes - self.slot_bytes) // max(self.page_bytes, 1), 0)
+        return min(self.context_length, pages * self.page_size)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[EngineEvent], None]
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Flush:
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Tracked:
+    """Timing of one engine request, for the latency histograms."""
+    sink: Callable[[EngineEvent], None]
+    arrival: float
+    num_prompt_tokens: int
+    last_token_time: float | None = None
+
+
+class EngineThread:
+    def __init__(self, build_llm: Callable[[], Any], metrics: ServerMetrics, context_length: int | None = None):
+        self._build_llm = build_llm
+        self._context_cap = context_length
+        self.metrics = metrics
+        self.ready = threading.Event()             # set after warm-up (or on failure, with `error` set)
+        self.error: str | None = None
+        self.info: ModelInfo | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="k3core-engine", daemon=True)
+        self._tracked: dict[str, _Tracked] = {}
+        self._stats_base = (0, 0)
+
+    # ---- the HTTP side's doors (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: Callable[[EngineEvent], None], arrival: float) -> None:
+        self._commands.put(_Submit(request_id, prompt_token_ids, params, sink, arrival))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def flush_cache(self) -> Future:
+        """A future that resolves (on the engine thread) to True once the prefix cache has been emptied."""
+        command = _Flush()
+        self._commands.put(command)
+        return command.done
+
+    # ---- the engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.llm = self._build_llm()
+            self.engine = self.llm.engine
+            self._warm_up()
+        except Exception as exc:   # a bad checkpoint path or option must reach the user, not die silently
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("engine failed to start: %s\n%s", self.error, traceback.format_exc())
+            self.ready.set()
+            return
+        self.metrics.ready = True
+        self.ready.set()
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_work)
+            if self.engine.has_work:
+                self._step()
+            self._publish()
+        for request_id in list(self._tracked):
+            self._abort(request_id)
+
+    def _warm_up(self) -> None:
+        engine, config = self.engine, self.llm.config
+        from k3core.sampling_params import SamplingParams
+        prompt = [t % config.vocab_size for t in WARMUP_PROMPT]
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                        "warmup")
+        engine.run_until_done([request_id])
+        engine.flush_cache()                           # start with an empty pool and cache
+        if engine.cache is not None:
+            stats = engine.cache.stats
+            self._stats_base = (stats.queried_tokens, stats.hit_tokens)
+        layout = engine.pool.layout
+        context = config.max_position_embeddings
+        if self._context_cap is not None:
+            context = min(context, self._context_cap)
+        self.info = ModelInfo(self.llm.tokenizer, context, config.vocab_size, self.llm.is_random,
+                              engine.options.page_size, layout.slot_bytes, layout.page_bytes,
+                              engine.memory_usage().capacity_bytes, engine.cache is not None)
+        self._publish()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Submit):
+            try:
+                self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+            except ValueError as exc:
+                command.sink(EngineEvent([], [], True, "rejected", error=str(exc)))
+                return
+            self._tracked[command.request_id] = _Tracked(command.sink, command.arrival,
+                                                         len(command.prompt_token_ids))
+        elif isinstance(command, _Abort):
+            self._abort(command.request_id)
+        elif isinstance(command, _Flush):
+            flushed = self.engine.flush_cache()
+            self._publish()                      # a /metrics read right after /flush_cache sees the empty pool
+            command.done.set_result(flushed)
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return                                          # already finished: nothing to free
+        self.engine.abort(request_id)
+        self.engine.requests.pop(request_id, None)
+        self.metrics.observe_finish(time.monotonic() - tracked.arrival, "abort")
+        tracked.sink(EngineEvent([], [], True, "abort"))
+
+    def _step(self) -> None:
+        steps_before = self.engine.num_steps
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:    # keep serving: fail the requests of this batch, free their memory
+            message = f"the engine failed while running a step ({type(exc).__name__}: {exc})"
+            log.error("%s\n%s", message, traceback.format_exc())
+            for request_id in list(self._tracked):
+                tracked = self._tracked.pop(request_id)
+                self.engine.abort(request_id)
+                self.engine.requests.pop(request_id, None)
+                tracked.sink(EngineEvent([], [], True, "error", error=message))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            request = self.engine.requests[output.request_id]
+            if tracked.last_token_time is None:
+                self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
+                self.metrics.observe_tokens(len(output.new_token_ids), None)
+            else:
+                self.metrics.observe_tokens(len(output.new_token_ids), now - tracked.last_token_time)
+            tracked.last_token_time = now
+            if output.finished:
+                self._tracked.pop(output.request_id)
+                self.engine.requests.pop(output.request_id, None)
+                self.metrics.observe_finish(now - tracked.arrival, output.finish_reason or "stop")
+            tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
+                                     output.finish_reason, request.num_cached_tokens))
+        if self.engine.num_steps == steps_before:
+            time.sleep(0.001)      # nothing could be scheduled (waiting on memory): do not spin a core
+
+    def _publish(self) -> None:
+        engine = self.engine
+        usage = engine.memory_usage()
+        queried = hit = 0
+        if engine.cache is not None:
+            stats = engine.cache.stats
+            queried, hit = stats.queried_tokens - self._stats_base[0], stats.hit_tokens - self._stats_base[1]
+        self.metrics.publish(EngineSnapshot(
+            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+            kda_bytes=usage.kda_bytes, mla_bytes=usage.mla_bytes, free_bytes=usage.free_bytes,
+            capacity_bytes=usage.capacity_bytes, num_slots=usage.num_slots, num_pages=usage.num_pages,
+            prefix_cache=engine.cache is not None, cache_queried_tokens=queried, cache_hit_tokens=hit,
+            num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps))

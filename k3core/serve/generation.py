@@ -1,0 +1,145 @@
+"""One HTTP request's engine requests (n samples of each prompt), their events, and their text so far.
+
+A `Generation` lives on the HTTP event loop. It submits its engine requests to the engine thread with a sink that
+moves events onto its own `asyncio.Queue` (thread-safe through `call_soon_threadsafe`), and whoever serves the
+response iterates `events()`. Closing a generation before all its choices finished aborts the rest, which frees
+their slots and pages on the engine thread: that is how a client that disconnects gives its memory back.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from k3core.sampling_params import SamplingParams
+from k3core.serve.engine_thread import EngineEvent, EngineThread
+from k3core.serve.text import IncrementalText
+
+
+@dataclass
+class Choice:
+    index: int
+    engine_id: str
+    prompt_index: int
+    num_prompt_tokens: int
+    text: IncrementalText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Generation:
+    def __init__(self, engine: EngineThread, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False):
+        self.engine = engine
+        self.include_usage = include_usage
+        self.request_id = request_id
+        self.prompts = prompts
+        self.created = int(time.time())
+        self.registry = registry
+        self.queue: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
+        self.choices: list[Choice] = []
+        for prompt_index, prompt in enumerate(prompts):
+            for sample in range(n):
+                index = len(self.choices)
+                self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt),
+                                           IncrementalText(tokenizer, params.stop)))
+        self.params = params
+
+    def start(self, arrival: float) -> None:
+        """Submit every choice; `arrival` (time.monotonic) is when the HTTP request came in, for TTFT."""
+        loop = asyncio.get_running_loop()
+        self.registry[self.request_id] = self
+        for choice in self.choices:
+            params = self.params
+            if params.seed is not None and len(self.choices) > 1:
+                # distinct but reproducible samples: each choice draws from its own seeded generator
+                params = SamplingParams(**{**vars(params), "seed": params.seed + choice.index})
+            else:
+                params = SamplingParams(**vars(params))
+
+            def sink(event: EngineEvent, index: int = choice.index) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            self.engine.submit(choice.engine_id, self.prompts[choice.prompt_index], params, sink, arrival)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def events(self, poll_s: float | None = None) -> AsyncIterator[tuple[Choice | None, str, EngineEvent | None]]:
+        """(choice, new text, the event) per engine event, until every choice has finished.
+
+        With `poll_s`, yields `(None, "", None)` whenever no event came for that long, so that a caller can check
+        whether its client is still there."""
+        while not self.finished:
+            try:
+                if poll_s is None:
+                    index, event = await self.queue.get()
+                else:
+                    index, event = await asyncio.wait_for(self.queue.get(), poll_s)
+            except asyncio.TimeoutError:
+                yield None, "", None
+                continue
+            choice = self.choices[index]
+            if choice.finished:
+                continue
+            delta = self._apply(choice, event)
+            yield choice, delta, event
+
+    def _apply(self, choice: Choice, event: EngineEvent) -> str:
+        choice.token_ids.extend(event.new_token_ids)
+        choice.logprobs.extend(event.new_logprobs)
+        choice.num_cached_tokens = max(choice.num_cached_tokens, event.num_cached_tokens)
+        delta = choice.text.push(event.new_token_ids)
+        if choice.text.stopped and not event.finished:
+            self.engine.abort(choice.engine_id)        # the engine stops on the same string; this is a safety net
+            choice.finish_reason = "stop"
+        if event.finished:
+            choice.finish_reason = event.finish_reason or "stop"
+            choice.error = event.error
+            delta += choice.text.finish()
+        return delta
+
+    def close(self) -> None:
+        """Abort every unfinished choice (the client went away or the server is answering with an error)."""
+        for choice in self.choices:
+            if not choice.finished:
+                self.engine.abort(choice.engine_id)
+                choice.finish_reason = "abort"
+        self.registry.pop(self.request_id, None)
+
+    def abort(self) -> None:
+        """Abort on request of another client (POST /abort_request); the events report finish_reason 'abort'."""
+        for choice in self.choices:
+            if not choice.finished:
+                self.engine.abort(choice.engine_id)
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        cached = [0] * len(self.prompts)
+        for choice in self.choices:
+            cached[choice.prompt_index] = max(cached[choice.prompt_index], choice.num_cached_tokens)
+        return Usage(prompt_tokens, sum(len(c.token_ids) for c in self.choices), sum(cached))
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.choices if c.error), None)

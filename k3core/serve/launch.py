@@ -1,0 +1,68 @@
+"""Put the pieces together: the engine thread, the FastAPI app and a uvicorn server, ready to run.
+
+`python -m k3core.serve` runs `Server.run()` in the main thread; tests run it in a background thread on a socket
+they bound themselves (`sockets=[...]`), then call `shutdown()`.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from k3core.serve.app import create_app
+from k3core.serve.args import ServerArgs
+from k3core.serve.engine_thread import EngineThread
+from k3core.serve.metrics import ServerMetrics
+
+log = logging.getLogger("k3core.serve")
+
+
+def _build_llm(args: ServerArgs):
+    from k3core.llm import LLM
+    return LLM(args.model, backend=args.backend, device=args.resolved_device(), dtype=args.resolved_dtype(),
+               seed=args.seed, **args.engine_options())
+
+
+@dataclass
+class Server:
+    args: ServerArgs
+    engine: EngineThread
+    metrics: ServerMetrics
+    uvicorn_server: uvicorn.Server
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until shut down (blocks). Stops the HTTP side too if the engine fails to start."""
+        self.engine.start()
+        watcher = threading.Thread(target=self._watch_engine, name="k3core-engine-watch", daemon=True)
+        watcher.start()
+        try:
+            self.uvicorn_server.run(sockets=sockets)
+        finally:
+            self.engine.stop()
+
+    def _watch_engine(self) -> None:
+        self.engine.ready.wait()
+        if self.engine.error is not None:
+            log.error("shutting down: the engine could not start (%s)", self.engine.error)
+            self.uvicorn_server.should_exit = True
+            return
+        info = self.engine.info
+        note = " with RANDOM weights (a preset: the text is noise)" if info.is_random else ""
+        log.info("engine ready: model %s%s, context %d tokens, prefix cache %s, pool %.1f MiB",
+                 self.args.model, note, info.context_length, "on" if info.prefix_cache else "off",
+                 info.capacity_bytes / 2**20)
+
+    def shutdown(self) -> None:
+        self.uvicorn_server.should_exit = True
+
+
+def build_server(args: ServerArgs) -> Server:
+    metrics = ServerMetrics(args.model_name)
+    engine = EngineThread(lambda: _build_llm(args), metrics, context_length=args.context_length)
+    app = create_app(args, engine, metrics)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=2, access_log=args.log_level == "debug")
+    return Server(args, engine, metrics, uvicorn.Server(config))

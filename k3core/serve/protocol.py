@@ -1,0 +1,231 @@
+"""OpenAI request bodies parsed and checked into typed objects; every problem becomes an `APIError`.
+
+Only JSON types are checked here (a string where a number belongs, a negative `n`); limits that depend on the
+model (context length, vocabulary) are checked in `app.py`, which knows the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 64
+MAX_COMPLETION_LOGPROBS = 5       # the OpenAI completions API allows 0..5
+MAX_TOP_LOGPROBS = 20             # chat: top_logprobs 0..20
+
+
+class APIError(Exception):
+    """An error returned to the client in the OpenAI envelope `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class SamplingRequest:
+    """What completions and chat share: how to sample and when to stop. `max_tokens` None: the server picks."""
+    model: str
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None            # top-N per token, None = no logprobs
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class CompletionRequest(SamplingRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+# ---- field readers ---------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def _type_error(name: str, want: str, value: Any) -> APIError:
+    return APIError(f"'{name}' must be {want}, got {type(value).__name__} {value!r:.60}", param=name,
+                    code="invalid_type")
+
+
+def _int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer", value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise APIError(f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value")
+    return value
+
+
+def _float(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(name, "a number", value)
+    if value > high or value < low or (low_open and value == low):
+        raise APIError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name,
+                       code="invalid_value")
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise _type_error(name, "a list of integers", value)
+    return list(value)
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _type_error("stop", "a string or a list of strings", value)
+    if len(value) > 4:
+        raise APIError("'stop' takes at most 4 sequences", param="stop", code="invalid_value")
+    return [s for s in value if s]
+
+
+def _unsupported(body: dict) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise APIError(f"'{name}' is not supported by this server; leave it out or set it to 0", param=name,
+                           code="unsupported_parameter")
+    if body.get("logit_bias"):
+        raise APIError("'logit_bias' is not supported by this server; leave it out", param="logit_bias",
+                       code="unsupported_parameter")
+    if body.get("best_of") not in (None, 1) or body.get("echo"):
+        name = "echo" if body.get("echo") else "best_of"
+        raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
+                       code="unsupported_parameter")
+
+
+def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("'model' is required and must be a string naming the model (see GET /v1/models)",
+                       param="model", code="invalid_type" if model is not None else "missing_required_parameter")
+    _unsupported(body)
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _int(body, name, max_tokens, low=1)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise _type_error("stream_options", "an object", stream_options)
+    stream = _bool(body, "stream", False)
+    stop_token_ids = body.get("stop_token_ids")
+    return dict(
+        model=model, max_tokens=max_tokens,
+        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(_int(body, "top_k", 0, low=-1), 0),      # -1 also means off, as in vLLM
+        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        n=_int(body, "n", 1, low=1, high=MAX_N),
+        seed=_int(body, "seed", None),
+        stop=_stop(body),
+        stop_token_ids=_int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=stream,
+        include_usage=stream and _bool(stream_options or {}, "include_usage", False),
+    )
+
+
+# ---- the two request kinds -----------------------------------------------------------------------
+def parse_completion(body: Any) -> CompletionRequest:
+    common = _sampling_fields(body, ("max_tokens",))
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_int_list(p, "prompt") for p in prompt]
+    else:
+        raise _type_error("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
+                          prompt)
+    if any(len(p) == 0 for p in prompts):
+        raise APIError("'prompt' is empty; give at least one character or token", param="prompt",
+                       code="invalid_value")
+    if common["max_tokens"] is None:
+        common["max_tokens"] = 16                          # the OpenAI completions default
+    logprobs = _int(body, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
+    return CompletionRequest(**common, logprobs=logprobs, prompts=prompts)
+
+
+def _message_content(value: Any, index: int) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{index}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                               f"supported", param=f"messages[{index}].content", code="invalid_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _type_error(f"messages[{index}].content", "a string or a list of text parts", value)
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    common = _sampling_fields(body, ("max_tokens", "max_completion_tokens"))
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise APIError("'messages' is required and must be a non-empty list of {role, content} objects",
+                       param="messages", code="invalid_type" if raw is not None else "missing_required_parameter")
+    messages = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(f"messages[{index}] must be an object with a string 'role'", param=f"messages[{index}]",
+                           code="invalid_type")
+        if message["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(f"messages[{index}].role {message['role']!r} is unknown; use system, user or assistant",
+                           param=f"messages[{index}].role", code="invalid_value")
+        messages.append(ChatMessage(message["role"], _message_content(message.get("content"), index)))
+    want_logprobs = _bool(body, "logprobs", False)
+    top_logprobs = _int(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not want_logprobs:
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages)

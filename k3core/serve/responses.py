@@ -1,0 +1,112 @@
+"""OpenAI response objects (completions and chat, whole and streamed) built from a `Generation`'s choices."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from k3core.serve.generation import Choice, Generation, Usage
+from k3core.serve.text import token_text
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def _top(entry: dict[int, float], num: int) -> list[tuple[int, float]]:
+    """The `num` most likely tokens of one logprob entry (the engine adds the chosen token to the top-N)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:num]
+
+
+# ---- completions --------------------------------------------------------------------------------
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], num: int,
+                        text_offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.get(token_id))
+        tops.append({token_text(tokenizer, t): v for t, v in _top(entry, num)} if num else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_choice(gen: Generation, choice: Choice, text: str, token_ids: list[int],
+                      entries: list[dict[int, float]], text_offset: int, finish: bool) -> dict[str, Any]:
+    logprobs = None
+    if gen.params.logprobs is not None:
+        logprobs = completion_logprobs(gen_tokenizer(choice), token_ids, entries, gen.params.logprobs, text_offset)
+    return {"index": choice.index, "text": text, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason if finish else None}
+
+
+def completion_body(gen: Generation, model: str) -> dict[str, Any]:
+    choices = [completion_choice(gen, c, c.text.text, c.token_ids, c.logprobs, 0, True) for c in gen.choices]
+    return {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": model,
+            "choices": choices, "usage": gen.usage().body()}
+
+
+def completion_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
+                     usage: Usage | None = None) -> dict[str, Any]:
+    body = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": model,
+            "choices": choices}
+    if gen.include_usage:
+        body["usage"] = usage.body() if usage is not None else None
+    return body
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+def _token_entry(tokenizer: Any, token_id: int, logprob: float | None) -> dict[str, Any]:
+    text = token_text(tokenizer, token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
+                  num: int) -> dict[str, Any]:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        item = _token_entry(tokenizer, token_id, entry.get(token_id))
+        item["top_logprobs"] = [_token_entry(tokenizer, t, v) for t, v in _top(entry, num)]
+        content.append(item)
+    return {"content": content}
+
+
+def chat_body(gen: Generation, model: str) -> dict[str, Any]:
+    choices = []
+    for c in gen.choices:
+        logprobs = None
+        if gen.params.logprobs is not None:
+            logprobs = chat_logprobs(gen_tokenizer(c), c.token_ids, c.logprobs, gen.params.logprobs)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+    return {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": model,
+            "choices": choices, "usage": gen.usage().body()}
+
+
+def chat_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
+               usage: Usage | None = None) -> dict[str, Any]:
+    body = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created, "model": model,
+            "choices": choices}
+    if gen.include_usage:
+        body["usage"] = usage.body() if usage is not None else None
+    return body
+
+
+def chat_choice_delta(gen: Generation, choice: Choice, delta: dict[str, Any], token_ids: list[int],
+                      entries: list[dict[int, float]], finish: bool) -> dict[str, Any]:
+    logprobs = None
+    if gen.params.logprobs is not None and token_ids:
+        logprobs = chat_logprobs(gen_tokenizer(choice), token_ids, entries, gen.params.logprobs)
+    return {"index": choice.index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason if finish else None}
+
+
+# ---- small accessors --------------------------------------------------------------------------------
+def gen_tokenizer(choice: Choice) -> Any:
+    return choice.text.tokenizer
+

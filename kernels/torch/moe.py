@@ -1,0 +1,75 @@
+"""Mixture-of-experts routing (bias-corrected top-k) and the expert computation it feeds."""
+from __future__ import annotations
+
+import torch
+
+from k3core.ops import RouteOut
+from kernels.torch._dtypes import compute_dtype, narrow_float32
+from kernels.torch.activation import glu_activation
+
+SCORINGS = ("sigmoid", "softmax")
+RENORM_EPS = 1e-20
+
+
+def moe_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: str,
+              renormalize: bool, routed_scaling_factor: float) -> RouteOut:
+    """logits [T, E] -> RouteOut(weights [T, top_k] float32, expert_ids [T, top_k] int64).
+
+    The bias only chooses the experts; the weights are the unbiased scores at the chosen experts, divided by
+    (sum + 1e-20) when renormalize, times routed_scaling_factor. Experts come out in descending order of the
+    biased score. float64 logits give float64 weights.
+    """
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"moe_route: top_k={top_k} must be between 1 and the number of experts {logits.shape[-1]}")
+    dtype = narrow_float32(logits.dtype)
+    logits = logits.to(dtype)
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits)                                         # [T, E]
+    elif scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)                                 # [T, E]
+    else:
+        raise ValueError(f"moe_route: unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
+    choice = scores if correction_bias is None else scores + correction_bias.to(device=scores.device, dtype=dtype)
+    expert_ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices       # [T, top_k]
+    weights = scores.gather(1, expert_ids)                                     # [T, top_k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
+    return RouteOut(weights * routed_scaling_factor, expert_ids)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor, activation: str, situ_beta: float | None, situ_linear_beta: float | None,
+                expert_offset: int = 0) -> torch.Tensor:
+    """x [T, D], w13 [E, 2I, D] ([gate | up] rows), w2 [E, D, I], weights/expert_ids [T, k] -> y [T, D] (dtype of x).
+
+    y_t = sum_j weights[t, j] * w2_e act(w13_e x_t) with e = expert_ids[t, j] - expert_offset; ids outside
+    [expert_offset, expert_offset + E) belong to another rank under expert parallelism and contribute nothing.
+    Everything in float32 (float64 for float64 x); one host sync per call for the per-expert counts.
+    """
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape[-1] != hidden or tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"moe_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} must be "
+                         f"[T, D], [E, 2I, D], [E, D, I]")
+    if weights.shape != expert_ids.shape or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts: weights {tuple(weights.shape)} and expert_ids {tuple(expert_ids.shape)} "
+                         f"must both be [T, k] with T={x.shape[0]}")
+    dtype = compute_dtype(x, weights)
+    y = torch.zeros(x.shape[0], hidden, dtype=dtype, device=x.device)
+    local = (expert_ids.long() - expert_offset).flatten()                     # [T * k]
+    mine = (local >= 0) & (local < num_experts)
+    # Sorting the (token, choice) pairs by expert lets each expert run one dense GEMM on its rows.
+    order = torch.argsort(torch.where(mine, local, num_experts), stable=True)  # other ranks' pairs sort last
+    counts = torch.bincount(local[mine], minlength=num_experts).tolist()
+    top_k = expert_ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k                                                # [n]
+        hidden_act = x[tokens].to(dtype) @ w13[expert].to(dtype).T            # [n, 2I]
+        act = glu_activation(hidden_act, activation, situ_beta, situ_linear_beta)  # [n, I]
+        out = act @ w2[expert].to(dtype).T                                     # [n, D]
+        y.index_add_(0, tokens, out * weights.flatten()[pairs].to(dtype)[:, None])
+    return y.to(x.dtype)

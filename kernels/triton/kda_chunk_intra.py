@@ -1,0 +1,165 @@
+"""KDA chunked prefill, pass 1 of 2: everything inside one chunk, in parallel over (chunk, head).
+
+For a chunk of n <= BT tokens with cumulative log-decay G_t = sum_{s<=t} g_s (per key channel, inside the chunk),
+the state S0 at the chunk start and the L2-normalised q, k:
+
+    Akk[t, s] = beta_t sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])   (s < t)     T = (I + Akk)^-1
+    Aqk[t, s] =        sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])   (s <= t)
+    W  = T (beta * k * exp(G))      U0 = T (beta * v)      =>  U = U0 - W S0^T  (the delta-rule "new values")
+    O  = scale (Qg S0^T + Aqk U)    with Qg = q * exp(G)
+    S_end = S0 diag(exp G_last) + U^T Kd                     with Kd = k * exp(G_last - G)
+
+This kernel writes W, U0, Qg, Kd, Aqk and exp(G_last); `kda_chunk_state` runs the sequential part (U, O, S).
+Every exponent stored or multiplied here is <= 0 except inside the dense sub-block products below.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.kda_gate import gate_log_decay
+
+
+@triton.jit
+def _row(x, rows, index):
+    """Row `index` of the register tile x [BT, N] as a vector [N] (tiles cannot be sliced in Triton)."""
+    return tl.sum(tl.where(rows[:, None] == index, x, 0.0), 0)
+
+
+@triton.jit
+def _pair_matrices_dense(q, k, G, rows, DOT_DTYPE: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """Aqk and the un-masked k k^T decay product with dense tl.dot, one row sub-block of SUB tokens at a time.
+
+    Row block i uses the reference r = its first token and splits exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s).
+    Row factor: t in block i, so G_t - G_r in [-(SUB-1) * 5, 0]. Column factor, kept only for s < (i+1) * SUB:
+    for s before block i, G_r - G_s <= 0; for s inside block i, G_r - G_s = sum of at most SUB - 1 = 15 gates each
+    > lower_bound = -5, so G_r - G_s < 75 and exp(.) < exp(75) ~ 3.7e32, finite in float32 and bfloat16
+    (max ~3.4e38) even after summing 128 channels of |q k| <= 1. This bound is what the lower-bounded gate buys:
+    with the softplus gate a single token can decay by far more than 88 (exp overflow), so that path uses
+    `_pair_matrices_exact`. The column factor is masked BEFORE exp, so pairs s > t of later blocks never see
+    an overflowing exponent.
+    """
+    aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    akk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in tl.static_range(BT // SUB):
+        g_ref = _row(G, rows, i * SUB)                                          # [BK]
+        in_block = (rows >= i * SUB) & (rows < (i + 1) * SUB)                   # rows of this block
+        up_to_block = rows < (i + 1) * SUB                                      # columns it can see
+        row_decay = tl.exp(tl.where(in_block[:, None], G - g_ref[None, :], 0.0))   # [BT, BK] <= 1
+        col_decay = tl.exp(tl.where(up_to_block[:, None], g_ref[None, :] - G, 0.0))  # [BT, BK] < exp(75)
+        q_rows = tl.where(in_block[:, None], q * row_decay, 0.0).to(DOT_DTYPE)
+        k_rows = tl.where(in_block[:, None], k * row_decay, 0.0).to(DOT_DTYPE)
+        k_cols = tl.where(up_to_block[:, None], k * col_decay, 0.0).to(DOT_DTYPE)
+        aqk += tl.dot(q_rows, tl.trans(k_cols), input_precision=PRECISION)                                 # [BT, BT]
+        akk += tl.dot(k_rows, tl.trans(k_cols), input_precision=PRECISION)
+    return aqk, akk
+
+
+@triton.jit
+def _pair_matrices_exact(q, k, G, rows, BT: tl.constexpr):
+    """The same two matrices one column at a time with exp(G_t - G_s) formed per element (always <= 1).
+
+    Needed for the softplus gate, whose per-token decay is unbounded; O(BT^2 K) element-wise work instead of
+    tensor-core products, which is acceptable because K3 uses the lower-bounded gate.
+    """
+    aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    akk = tl.zeros([BT, BT], dtype=tl.float32)
+    for s in range(BT):
+        k_s = _row(k, rows, s)                                                  # [BK]
+        g_s = _row(G, rows, s)                                                  # [BK]
+        at_or_after = rows >= s
+        decay = tl.exp(tl.where(at_or_after[:, None], G - g_s[None, :], 0.0))  # [BT, BK] <= 1 where kept
+        qk_col = tl.sum(q * k_s[None, :] * decay, 1)                           # [BT]
+        kk_col = tl.sum(k * k_s[None, :] * decay, 1)                           # [BT]
+        is_col = (rows == s)[None, :]
+        aqk += tl.where(is_col & at_or_after[:, None], qk_col[:, None], 0.0)
+        akk += tl.where(is_col & at_or_after[:, None], kk_col[:, None], 0.0)
+    return aqk, akk
+
+
+@triton.jit
+def _unit_lower_inverse(a, rows, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + a)^-1 for a strictly lower-triangular a [BT, BT] (float32 throughout).
+
+    1. The SUB x SUB diagonal blocks by forward substitution, all blocks at once: step r finalises row r of
+       every block from rows < r of the same block (one [BT, BT] product per step, SUB - 1 steps).
+    2. With D = I + (diagonal blocks of a) and L = the rest (strictly block-lower): (D + L)^-1 = (I + N)^-1 D^-1
+       with N = D^-1 L nilpotent of order BT / SUB, so (I + N)^-1 = sum_p (-N)^p, a handful of products.
+    """
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    same_block = (rows[:, None] // SUB) == (rows[None, :] // SUB)
+    a_diag = tl.where(same_block, a, 0.0)
+    d_inv = eye
+    for r in tl.static_range(1, SUB):
+        step = eye - tl.dot(a_diag, d_inv, input_precision=PRECISION)
+        d_inv = tl.where(((rows % SUB) == r)[:, None], step, d_inv)
+    result = d_inv
+    if BT > SUB:
+        n = tl.dot(d_inv, tl.where(same_block, 0.0, a), input_precision=PRECISION)
+        term = d_inv
+        for p in tl.static_range(1, BT // SUB):
+            term = -tl.dot(n, term, input_precision=PRECISION)
+            result += term
+    return result
+
+
+@triton.jit
+def kda_chunk_intra_kernel(
+        q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,   # inputs [T, H, *]
+        chunk_start_ptr, chunk_len_ptr,                                  # int32 [num_chunks]
+        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,                # workspace (see module doc)
+        lower_bound,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, SUB: tl.constexpr,
+        FORM: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
+    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + i_chunk)
+    rows = tl.arange(0, BT)
+    cols_k = tl.arange(0, BK)
+    cols_v = tl.arange(0, BVF)
+    row_ok = rows < length
+    head_row = (start + rows) * H + i_h                                         # [BT] row of [T * H]
+    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
+    mask_v = row_ok[:, None] & (cols_v < V)[None, :]
+    offs_k = head_row[:, None] * K + cols_k[None, :]                            # [BT, BK]
+    offs_v = head_row[:, None] * V + cols_v[None, :]                            # [BT, BVF]
+    DOT_DTYPE = w_ptr.dtype.element_ty
+
+    q = tl.load(q_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)        # [BT, BK]
+    k = tl.load(k_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    v = tl.load(v_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)        # [BT, BVF]
+    beta = tl.sigmoid(tl.load(beta_ptr + head_row, mask=row_ok, other=0.0).to(tl.float32))
+    beta = tl.where(row_ok, beta, 0.0)                                          # [BT]
+
+    f = tl.load(f_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    a_log = tl.load(a_log_ptr + i_h)
+    dt_bias = tl.load(dt_bias_ptr + i_h * K + cols_k, mask=cols_k < K, other=0.0)
+    g = gate_log_decay(f, a_log, dt_bias[None, :], lower_bound, FORM)
+    g = tl.where(mask_k, g, 0.0)                                                # tail rows do not decay
+    G = tl.cumsum(g, 0)                                                         # [BT, BK]
+
+    if DENSE:
+        aqk, akk = _pair_matrices_dense(q, k, G, rows, DOT_DTYPE, BT, SUB, PRECISION)
+    else:
+        aqk, akk = _pair_matrices_exact(q, k, G, rows, BT)
+    aqk = tl.where(rows[:, None] >= rows[None, :], aqk, 0.0)
+    akk = tl.where(rows[:, None] > rows[None, :], akk * beta[:, None], 0.0)
+    t_inv = _unit_lower_inverse(akk, rows, BT, SUB, PRECISION)                  # [BT, BT]
+
+    decay_g = tl.exp(G)                                                         # [BT, BK] <= 1
+    w = tl.dot(t_inv, k * decay_g * beta[:, None], input_precision=PRECISION)   # [BT, BK]
+    u0 = tl.dot(t_inv, v * beta[:, None], input_precision=PRECISION)            # [BT, BVF]
+    g_last = _row(G, rows, length - 1)                                          # [BK]
+    k_to_end = k * tl.exp(tl.where(mask_k, g_last[None, :] - G, 0.0))           # [BT, BK] <= |k|
+
+    tl.store(w_ptr + offs_k, w.to(DOT_DTYPE), mask=mask_k)
+    tl.store(qg_ptr + offs_k, (q * decay_g).to(DOT_DTYPE), mask=mask_k)
+    tl.store(kd_ptr + offs_k, k_to_end.to(DOT_DTYPE), mask=mask_k)
+    tl.store(u_ptr + offs_v, u0.to(DOT_DTYPE), mask=mask_v)
+    tl.store(aqk_ptr + head_row[:, None] * BT + rows[None, :], aqk.to(DOT_DTYPE), mask=row_ok[:, None])
+    tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, tl.exp(g_last), mask=cols_k < K)

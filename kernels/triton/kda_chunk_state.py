@@ -1,0 +1,110 @@
+"""KDA chunked prefill, pass 2 of 2: the sequential state recurrence across the chunks of each sequence.
+
+One program per (value block, head, sequence) keeps its slice of the state, h = S^T [K, BV] float32, in
+registers for the whole sequence, and per chunk (inputs from `kda_chunk_intra`):
+
+    U = U0 - W h            (the delta-rule new values of this value block)  [BT, BV]
+    O = scale (Qg h + Aqk U)                                                  [BT, BV]
+    h = exp(G_last) * h + Kd^T U                                              [K, BV]
+
+Every product splits by value columns, so value blocks and heads run in parallel with no communication; the
+state is read once from state[slot] and written once, plus once per checkpoint the radix cache asked for.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+                w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr,
+                ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """One chunk of one sequence: writes O for this value block, returns the state after the chunk."""
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    mask_h = k_ok[:, None] & v_ok[None, :]
+    DOT_DTYPE = w_ptr.dtype.element_ty
+    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + i_chunk)
+    row_ok = rows < length
+    head_row = (start + rows) * H + i_h                                     # [BT]
+    mask_k = row_ok[:, None] & k_ok[None, :]
+    mask_v = row_ok[:, None] & v_ok[None, :]
+    offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
+    offs_v = head_row[:, None] * V + cols_v[None, :]                        # [BT, BV]
+    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
+    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
+    kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
+    u0 = tl.load(u_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)    # [BT, BV]
+    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
+    decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)  # [BK]
+
+    h_in = h.to(DOT_DTYPE)
+    u = u0 - tl.dot(w, h_in, input_precision=PRECISION)                   # [BT, BV]
+    o = tl.dot(qg, h_in, input_precision=PRECISION)                       # [BT, BV]
+    o += tl.dot(aqk, u.to(DOT_DTYPE), input_precision=PRECISION)
+    tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)
+    h = decay[:, None] * h + tl.dot(tl.trans(kd), u.to(DOT_DTYPE), input_precision=PRECISION)  # [BK, BV]
+
+    if CHECKPOINTS:
+        # Chunks are cut at every multiple of ckpt_interval, so a checkpoint always falls on a chunk end.
+        consumed = (start - bos).to(tl.int32) + length
+        is_last = i_chunk == end_chunk - 1
+        on_boundary = (consumed % ckpt_interval) == 0
+        index = tl.load(seq_ckpt_ptr + i_b) + (consumed + ckpt_interval - 1) // ckpt_interval - 1
+        tl.store(ckpt_ptr + index.to(tl.int64) * (H * V * K) + h_offs, h,
+                 mask=mask_h & (on_boundary | is_last))
+    return h
+
+
+@triton.jit
+def kda_chunk_state_kernel(
+        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,               # workspace from kda_chunk_intra
+        o_ptr,                                                           # [T, H, V] dtype of v
+        state_ptr, state_stride, slot_ptr, has_init_ptr,                 # [slots, H, V, K] f32 (dim 0 strided)
+        cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,   # int32 tables
+        ckpt_ptr, seq_ckpt_ptr, ckpt_interval,                           # [N, H, V, K] f32, int32 [B + 1]
+        scale,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    bos = tl.load(cu_seqlens_ptr + i_b)
+    first_chunk = tl.load(seq_chunk_ptr + i_b)
+    end_chunk = tl.load(seq_chunk_ptr + i_b + 1)
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    has_init = tl.load(has_init_ptr + i_b) != 0
+
+    rows = tl.arange(0, BT)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    mask_h = k_ok[:, None] & v_ok[None, :]
+    # h[k, v] = S[v, k]: the state tile transposed so that every product below is a plain tl.dot.
+    h_offs = i_h * V * K + cols_v[None, :] * K + cols_k[:, None]                # [BK, BV]
+    h = tl.load(state_ptr + slot * state_stride + h_offs, mask=mask_h & has_init, other=0.0)
+
+    if INTERPRETED:
+        # The CPU interpreter cannot take a loaded scalar as a range() bound (numpy >= 2), so it loops with while;
+        # compiled code keeps the for loop, which the pipeliner can software-pipeline.
+        i_chunk = first_chunk
+        while i_chunk < end_chunk:
+            h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                            H, K, V, BT, CHECKPOINTS, PRECISION)
+            i_chunk += 1
+    else:
+        for i_chunk in range(first_chunk, end_chunk):
+            h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                            H, K, V, BT, CHECKPOINTS, PRECISION)
+
+    tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)

@@ -1,0 +1,165 @@
+"""Absorbed MLA decode over the paged latent cache, split across programs (split-KV) and merged by LSE.
+
+Stage 1: program (request b, head block, split s) reads the cache entries of its split of request b once for BLOCK_H
+heads (all heads share the latent KV), keeps an online softmax, and writes a float32 partial output and its
+natural-log LSE. Each latent entry is split at v_dim: its first v_dim columns serve both as the key's head part and as
+the value (one load, two tl.dot), the remaining D_latent - v_dim (the rope part) only enter the scores.
+Stage 2: one program per (request, head) merges the active splits of the request by their LSE.
+
+The split length is chosen from the page table's capacity (max_pages * page_size), not from seq_lens, so there is
+no device->host sync and the launch can be captured in a graph; splits past a request's length exit at once. Size
+the page table to the batch (max pages of its longest request) so that short batches still spread over the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from k3core.ops import MlaDecodeOut
+from kernels.triton.tuning_ops import AttentionConfig, compute_units, mla_decode_config
+
+LN2 = math.log(2.0)
+
+
+@triton.jit
+def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_out_ptr, mid_lse_ptr,
+                             q_batch_stride, q_head_stride, kv_page_stride, kv_slot_stride, page_table_stride,
+                             mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
+                             mid_lse_batch_stride, mid_lse_head_stride,
+                             num_heads, v_dim, latent_dim, page_size, split_len, scale_log2, ln2,
+                             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                             BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr):
+    batch = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + batch)
+    split_start = split * split_len
+    if split_start >= seq_len:
+        return
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                        # [BLOCK_H]
+    head_mask = heads < num_heads
+    cols_v = tl.arange(0, BLOCK_V)
+    v_mask = cols_v < v_dim
+    cols_rope = v_dim + tl.arange(0, BLOCK_R)
+    rope_mask = cols_rope < latent_dim
+    q_rows = q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride
+    q_value_part = tl.load(q_rows + cols_v[None, :], mask=head_mask[:, None] & v_mask[None, :], other=0.0)
+    q_rope_part = tl.load(q_rows + cols_rope[None, :], mask=head_mask[:, None] & rope_mask[None, :], other=0.0)
+
+    running_max = tl.full((BLOCK_H,), -3.0e38, tl.float32)
+    denominator = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    for n_start in range(split_start, split_end, BLOCK_N):
+        positions = n_start + tl.arange(0, BLOCK_N)                             # [BLOCK_N]
+        position_mask = positions < split_end
+        pages = tl.load(page_table_ptr + batch * page_table_stride + positions // page_size,
+                        mask=position_mask, other=0).to(tl.int64)
+        entries = kv_ptr + pages * kv_page_stride + (positions % page_size).to(tl.int64) * kv_slot_stride
+        kv_value_part = tl.load(entries[:, None] + cols_v[None, :], mask=position_mask[:, None] & v_mask[None, :],
+                                other=0.0)                                      # [BLOCK_N, BLOCK_V]
+        scores = tl.dot(q_value_part, tl.trans(kv_value_part), input_precision="ieee")   # [BLOCK_H, BLOCK_N]
+        if HAS_ROPE:
+            kv_rope_part = tl.load(entries[:, None] + cols_rope[None, :],
+                                   mask=position_mask[:, None] & rope_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            scores += tl.dot(q_rope_part, tl.trans(kv_rope_part), input_precision="ieee")
+        scores = tl.where(position_mask[None, :], scores * scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])                              # [BLOCK_H, BLOCK_N]
+        denominator = denominator * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
+        running_max = new_max
+
+    out_ptrs = (mid_out_ptr + batch * mid_out_batch_stride + heads[:, None] * mid_out_head_stride
+                + split * mid_out_split_stride + cols_v[None, :])
+    tl.store(out_ptrs, acc / denominator[:, None], mask=head_mask[:, None] & v_mask[None, :])
+    lse = (running_max + tl.log2(denominator)) * ln2                            # natural log
+    tl.store(mid_lse_ptr + batch * mid_lse_batch_stride + heads * mid_lse_head_stride + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                             mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
+                             mid_lse_batch_stride, mid_lse_head_stride, out_batch_stride, out_head_stride,
+                             lse_batch_stride, v_dim, split_len,
+                             BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+    batch = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    num_active = tl.cdiv(tl.load(seq_lens_ptr + batch), split_len)
+    splits = tl.arange(0, BLOCK_S)
+    lse_row = mid_lse_ptr + batch * mid_lse_batch_stride + head * mid_lse_head_stride
+    split_lse = tl.load(lse_row + splits, mask=splits < num_active, other=float("-inf"))   # [BLOCK_S]
+    max_lse = tl.max(split_lse, axis=0)
+    total = tl.sum(tl.exp(split_lse - max_lse), axis=0)
+    cols = tl.arange(0, BLOCK_V)
+    mask = cols < v_dim
+    acc = tl.zeros((BLOCK_V,), tl.float32)
+    partial_row = mid_out_ptr + batch * mid_out_batch_stride + head * mid_out_head_stride
+    for split in range(0, num_active):
+        weight = tl.exp(tl.load(lse_row + split) - max_lse) / total
+        acc += weight * tl.load(partial_row + split * mid_out_split_stride + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + cols, acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(lse_ptr + batch * lse_batch_stride + head, max_lse + tl.log(total))
+
+
+def choose_num_splits(device: torch.device, batch: int, num_head_blocks: int, capacity: int, block_n: int) -> int:
+    """Enough splits for about two programs per SM/CU, but never a split shorter than 4 key tiles."""
+    wanted = triton.cdiv(2 * compute_units(device), max(1, batch * num_head_blocks))
+    return max(1, min(wanted, triton.cdiv(capacity, 4 * block_n)))
+
+
+def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, v_dim: int, num_splits: int,
+                           config: AttentionConfig | None = None) -> MlaDecodeOut:
+    """`mla_decode` with the number of context splits (and optionally the tiles) given: tests and tuning pin them."""
+    batch, num_heads, latent_dim = q.shape
+    page_size = kv_cache.shape[1]
+    if kv_cache.shape[2] != latent_dim or not 16 <= v_dim <= latent_dim:
+        raise ValueError(f"mla_decode: q is {latent_dim} wide, kv_cache {tuple(kv_cache.shape)}, v_dim {v_dim}; the "
+                         f"latent widths must match and 16 <= v_dim <= D_latent")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if kv_cache.stride(2) != 1:
+        raise ValueError("mla_decode needs the kv_cache's last dim contiguous (entries stored as rows)")
+    out = torch.empty(batch, num_heads, v_dim, dtype=q.dtype, device=q.device)      # [B, H, V]
+    lse = torch.empty(batch, num_heads, dtype=torch.float32, device=q.device)       # [B, H]
+    if batch == 0:
+        return MlaDecodeOut(out, lse)
+    config = config or mla_decode_config(q.device, num_heads)
+    capacity = page_table.shape[1] * page_size
+    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), config.block_n) * config.block_n
+    num_splits = triton.cdiv(capacity, split_len)
+    block_v = max(16, triton.next_power_of_2(v_dim))
+    rope_dim = latent_dim - v_dim
+    mid_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)  # [B, H, S, V]
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)        # [B, H, S]
+    grid = (batch, triton.cdiv(num_heads, config.block_m), num_splits)
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, page_table, seq_lens, mid_out, mid_lse,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        num_heads, v_dim, latent_dim, page_size, split_len, scale / LN2, LN2,
+        BLOCK_H=config.block_m, BLOCK_N=config.block_n, BLOCK_V=block_v,
+        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    _mla_decode_merge_kernel[(batch, num_heads)](
+        mid_out, mid_lse, seq_lens, out, lse,
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), v_dim, split_len,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_V=block_v, num_warps=4 if block_v >= 512 else 1)
+    return MlaDecodeOut(out, lse)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, v_dim: int) -> MlaDecodeOut:
+    config = mla_decode_config(q.device, q.shape[1])
+    capacity = page_table.shape[1] * kv_cache.shape[1]
+    num_splits = choose_num_splits(q.device, q.shape[0], triton.cdiv(q.shape[1], config.block_m), capacity,
+                                   config.block_n)
+    return mla_decode_with_splits(q, kv_cache, page_table, seq_lens, scale, v_dim, num_splits)

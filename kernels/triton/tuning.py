@@ -1,0 +1,77 @@
+"""Block sizes and warp counts per kernel and vendor, in one place.
+
+AMD CDNA runs 64-lane wavefronts, so the same tile needs half the warps it needs on NVIDIA's 32-lane warps;
+everything else (block shapes, the precision of the triangular solve) is chosen here too so that a kernel
+file never branches on the vendor itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import os
+
+import torch
+
+VENDORS = ("nvidia", "amd")
+KINDS = ("kda_gate", "kda_intra", "kda_state", "kda_decode", "conv_prefill", "conv_decode")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_t: int = 64          # tokens per program (conv prefill) or elements per program / 64 (gate)
+    block_c: int = 64          # channels per program (conv), or elements per program (gate)
+    block_v: int = 32          # value columns per program for the state kernels (state tile [K, block_v])
+    sub_chunk: int = 16        # KDA intra-chunk sub-block: bounds exp of in-block decay (see kda_chunk_intra)
+    num_warps: int = 4
+    num_stages: int = 1
+    # The triangular solve chains 16+ dependent products: tf32 alone would lose ~3 digits per product.
+    solve_precision: str = "ieee"
+
+
+_NVIDIA: dict[str, KernelConfig] = {
+    "kda_gate": KernelConfig(block_c=1024, num_warps=4),
+    "kda_intra": KernelConfig(num_warps=8, solve_precision="tf32x3"),
+    # 12 heads x 128/32 value blocks = 48 sequential programs per sequence; the lead may try 16 for more SMs.
+    "kda_state": KernelConfig(block_v=32, num_warps=8, num_stages=2),
+    "kda_decode": KernelConfig(block_v=32, num_warps=4),
+    "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
+    "conv_decode": KernelConfig(block_c=256, num_warps=4),
+}
+
+_AMD: dict[str, KernelConfig] = {
+    "kda_gate": KernelConfig(block_c=1024, num_warps=2),
+    "kda_intra": KernelConfig(num_warps=4, solve_precision="ieee"),
+    "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=1),
+    "kda_decode": KernelConfig(block_v=32, num_warps=2),
+    "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=2),
+    "conv_decode": KernelConfig(block_c=256, num_warps=2),
+}
+
+
+def detect_vendor() -> str:
+    """'amd' on a ROCm build of torch, otherwise 'nvidia' (also used under the CPU interpreter)."""
+    return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+
+
+def kernel_config(kind: str, vendor: str | None = None) -> KernelConfig:
+    """The launch configuration of one kernel kind on one vendor (detected from torch when None)."""
+    vendor = vendor or detect_vendor()
+    table = {"nvidia": _NVIDIA, "amd": _AMD}.get(vendor)
+    if table is None:
+        raise ValueError(f"unknown vendor {vendor!r}; choose one of: {', '.join(VENDORS)}")
+    if kind not in table:
+        raise ValueError(f"unknown kernel kind {kind!r}; choose one of: {', '.join(KINDS)}")
+    return table[kind]
+
+
+def pow2_at_least(n: int, floor: int = 16) -> int:
+    """The smallest power of two >= max(n, floor): tl.dot needs power-of-two tiles of at least 16."""
+    p = floor
+    while p < n:
+        p *= 2
+    return p
+
+
+def is_interpreted() -> bool:
+    """True under TRITON_INTERPRET=1 (the CPU interpreter), where a few loop forms must differ."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,116 @@
+"""Per-vendor launch parameters (block sizes, warps, stages) of the MLA, MoE, AttnRes and norm kernels.
+
+Three targets: `nvidia` (sm90 and later: tl.dot tiles >= 16, 32-lane warps), `amd` (CDNA: 64-lane wavefronts, so
+half the warps of NVIDIA for the same tile, and fewer pipeline stages because LDS is smaller) and `interpreter`
+(TRITON_INTERPRET=1 on the CPU: the smallest tiles that tl.dot accepts, since every program runs in numpy).
+The choice depends on the tensor's device, never on an environment if-chain per kernel.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+
+def target(device: torch.device) -> str:
+    """`interpreter`, `nvidia` or `amd` for tensors on `device`."""
+    if device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "interpreter"
+    return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+
+
+@functools.lru_cache(maxsize=None)
+def num_compute_units(device_index: int) -> int:
+    """SMs (NVIDIA) or CUs (AMD); split-KV decode sizes its grid from this."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def compute_units(device: torch.device) -> int:
+    if target(device) == "interpreter":
+        return 4
+    return num_compute_units(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class RowConfig(NamedTuple):
+    """One program per row (norms, activation, AttnRes, routing)."""
+    num_warps: int
+
+
+def row_config(device: torch.device, block_width: int) -> RowConfig:
+    if target(device) == "interpreter":
+        return RowConfig(num_warps=1)
+    lanes = 64 if target(device) == "amd" else 32
+    # about 8 elements per lane keeps a whole row in registers without spilling
+    warps = max(1, min(16, block_width // (8 * lanes)))
+    return RowConfig(num_warps=warps)
+
+
+class AttentionConfig(NamedTuple):
+    block_m: int       # query rows (prefill) or heads (decode) per program
+    block_n: int       # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+def mla_prefill_config(device: torch.device, head_dim_qk: int) -> AttentionConfig:
+    kind = target(device)
+    if kind == "interpreter":
+        return AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    if kind == "amd":
+        return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=1)
+    # 192-wide q/k: 128x64 tiles with 8 warps keep two wgmma groups busy without spilling on sm90
+    return AttentionConfig(block_m=128, block_n=64 if head_dim_qk <= 256 else 32, num_warps=8, num_stages=3)
+
+
+def mla_decode_config(device: torch.device, num_heads: int) -> AttentionConfig:
+    kind = target(device)
+    if kind == "interpreter":
+        return AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    # block_m = heads per program: all heads of a block share each KV tile; 16 is the smallest tl.dot M and a
+    # 16 x 512 float32 accumulator already fills half the register file of 4 warps
+    if kind == "amd":
+        return AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    return AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+
+
+class GemmConfig(NamedTuple):
+    block_m: int       # routed token rows per program (all of one expert)
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def moe_gemm_config(device: torch.device, num_rows: int) -> GemmConfig:
+    kind = target(device)
+    if kind == "interpreter":
+        return GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    # decode-sized batches route few rows per expert: a small block_m wastes less padding
+    block_m = 16 if num_rows <= 256 else 64
+    if kind == "amd":
+        return GemmConfig(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1)
+    return GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=4 if block_m == 16 else 8, num_stages=3)
+
+
+def _let_interpreter_index_size_one_arrays() -> None:
+    """Triton 3.6's interpreter holds every scalar as a 1-element numpy array and converts loop bounds with
+    int(array), which numpy >= 2.4 refuses for arrays with ndim > 0; so `range(0, n)` with a runtime n fails under
+    TRITON_INTERPRET=1. Convert through .item() instead (a no-op outside the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_k3core_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._k3core_index_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+_let_interpreter_index_size_one_arrays()

@@ -1,0 +1,78 @@
+"""The op conformance cases under pytest: the torch references (float32 vs the float64 oracle, every case) and
+the Triton providers under TRITON_INTERPRET=1 (float32, quick cases only: interpreted Triton is slow).
+
+Inputs are fresh each run; the seed is printed in every failure message (set K3_CONFORMANCE_SEED to replay).
+A provider that cannot run here is skipped with its reason, never counted as passed.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from conformance.cases import CASES, cases_for
+from conformance.runner import run_case
+from k3core.backend import load_backend, providers
+
+SEED = int(os.environ.get("K3_CONFORMANCE_SEED", random.SystemRandom().randrange(2**31)))
+CPU = torch.device("cpu")
+
+
+def _provider(name: str):
+    backend = name.split(".")[0]
+    load_backend(backend)
+    op = name.rsplit(".", 1)[1]
+    return next(p for p in providers(op) if p.name == name)
+
+
+PARAMS = ([pytest.param(f"torch.{c.op}", c, id=f"torch-{c.case_id}") for c in cases_for("full")] +
+          [pytest.param(f"cuda.triton.{c.op}", c, id=f"triton-{c.case_id}") for c in cases_for("quick")
+           if c.op != "sample"])
+
+
+@pytest.mark.parametrize("provider_name, case", PARAMS)
+def test_op_conformance(provider_name, case):
+    result = run_case(case, _provider(provider_name), torch.float32, CPU, SEED)
+    if result.status == "skipped":
+        pytest.skip(f"{provider_name}: {result.reason}")
+    failures = [f"{c.output}: worst {c.worst:.3g} x tolerance, {c.detail}" for c in result.checks if not c.passed]
+    assert result.status == "passed", (f"{provider_name} {case.case_id} float32 seed {SEED} "
+                                       f"(K3_CONFORMANCE_SEED={SEED} to replay): {result.reason} {failures}")
+
+
+def test_case_list_covers_every_op_and_the_awkward_shapes():
+    from k3core.ops import OP_NAMES
+    assert {c.op for c in CASES} == set(OP_NAMES)
+    labels = " ".join(c.case_id for c in CASES)
+    for needle in ("T1-", "T15", "T63", "T64", "T65", "T1000", "empty-batch", "K128", "K64", "varlen-1-"):
+        assert needle in labels, needle
+
+
+def test_a_wrong_provider_fails_and_a_stray_write_is_caught():
+    """The suite must be able to fail: an off-by-one-ulp-too-many rms_norm and a conv that writes every slot."""
+    from conformance.runner import run_case as run
+    from k3core.backend import Provider
+    from kernels.torch.conv import short_conv_decode
+    import conformance.runner as runner_module
+
+    rms_case = next(c for c in CASES if c.op == "rms_norm" and c.size == "quick" and "T15" in c.label)
+    biased = Provider("rms_norm", "test.biased", "torch", 0, "kernels.torch.norm:rms_norm")
+    biased._fn = lambda x, weight, eps: (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+                                         * weight.double() * (1 + 1e-3)).to(x.dtype)
+    assert run(rms_case, biased, torch.float32, CPU, SEED).status == "failed"
+
+    conv_case = next(c for c in CASES if c.op == "short_conv_decode" and c.label == "B5")
+
+    def writes_everything(x, weight, conv_state, slot_ids):
+        out = short_conv_decode(x, weight, conv_state, slot_ids)
+        conv_state.nan_to_num_(0.0)          # touches the NaN-poisoned slots nobody addressed
+        return out
+
+    sloppy = Provider("short_conv_decode", "test.sloppy", "torch", 0, "kernels.torch.conv:short_conv_decode")
+    sloppy._fn = writes_everything
+    result = run(conv_case, sloppy, torch.float32, CPU, SEED)
+    assert result.status == "failed"
+    assert any("not addressed" in c.output and not c.passed for c in result.checks)
+    assert runner_module is not None

@@ -1,0 +1,265 @@
+"""The portable Triton kernels (MLA, MoE, AttnRes, norms, activation) against the float64 torch references.
+
+On a CPU box the kernels run under TRITON_INTERPRET=1 in float32 (set below before triton is imported); on a GPU
+they run compiled. Every kernel-allocated output is NaN-poisoned (torch.empty is patched to fill with NaN) so that
+an element a kernel forgets to write fails the comparison. Inputs are fresh random tensors, shapes are the awkward
+ones (1, 15, 63, 64, 65 tokens, mixed varlen batches, empty batches, non-power-of-two widths).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kernels.torch import activation as ref_activation  # noqa: E402
+from kernels.torch import attn_res as ref_attn_res  # noqa: E402
+from kernels.torch import mla as ref_mla  # noqa: E402
+from kernels.torch import moe as ref_moe  # noqa: E402
+from kernels.torch import norm as ref_norm  # noqa: E402
+from kernels.triton import activation, attn_res, mla_decode, mla_prefill, moe_experts, moe_route, norm  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+
+@contextlib.contextmanager
+def nan_poisoned_allocations():
+    """torch.empty / empty_like inside the block return NaN-filled floats (and -123456 integers)."""
+    original_empty, original_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-123456)
+
+    torch.empty = lambda *a, **k: poison(original_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(original_empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = original_empty, original_empty_like
+
+
+def randn(*shape, scale=1.0, generator=None):
+    return (torch.randn(*shape, dtype=torch.float64, generator=generator) * scale).to(torch.float32).to(DEVICE)
+
+
+def f64(t):
+    return t.detach().to("cpu", torch.float64)
+
+
+def check(actual, expected, atol, rtol, what):
+    assert not torch.isnan(actual).any(), f"{what}: NaN in the kernel output (an element was not written)"
+    torch.testing.assert_close(f64(actual), f64(expected), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------- norms, activation
+@pytest.mark.parametrize("shape", [(1, 64), (15, 48), (3, 5, 100), (0, 32)])
+def test_rms_norm(shape):
+    x, weight = randn(*shape, scale=3.0), randn(shape[-1])
+    with nan_poisoned_allocations():
+        out = norm.rms_norm(x, weight, 1e-6)
+    # float32 sum of squares over <= 100 elements against float64: a few ulp of relative error
+    check(out, ref_norm.rms_norm(f64(x), f64(weight), 1e-6), atol=1e-5, rtol=1e-5, what="rms_norm")
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (15, 48), (2, 7, 100)])
+def test_gated_rms_norm(shape):
+    x, gate, weight = randn(*shape), randn(*shape, scale=4.0), randn(shape[-1])
+    with nan_poisoned_allocations():
+        out = norm.gated_rms_norm(x, gate, weight, 1e-5)
+    # float32 end to end against float64: a few ulp relative
+    check(out, ref_norm.gated_rms_norm(f64(x), f64(gate), f64(weight), 1e-5), atol=1e-5, rtol=1e-5,
+          what="gated_rms_norm")
+
+
+@pytest.mark.parametrize("activation_name,beta,linear_beta", [("silu", None, None), ("situ", 4.0, 25.0),
+                                                               ("situ", 1.5, 3.0), ("situ", 4.0, None)])
+@pytest.mark.parametrize("num_tokens,inter", [(1, 16), (15, 40), (65, 8)])
+def test_glu_activation(activation_name, beta, linear_beta, num_tokens, inter):
+    # scale 8 pushes gate and up well past the soft-clip ranges, and small values exercise the tanh series branch
+    x = randn(num_tokens, 2 * inter, scale=8.0)
+    x[:, ::3] *= 1e-3
+    with nan_poisoned_allocations():
+        out = activation.glu_activation(x, activation_name, beta, linear_beta)
+    expected = ref_activation.glu_activation(f64(x), activation_name, beta, linear_beta)
+    # exp-based tanh and sigmoid in float32: relative error a few ulp, outputs up to ~|gate * up| ~ 100
+    check(out, expected, atol=2e-5, rtol=2e-5, what=f"glu_activation[{activation_name}]")
+
+
+def test_glu_activation_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="choose one of"):
+        activation.glu_activation(randn(2, 8), "gelu", 4.0, None)
+
+
+# ---------------------------------------------------------------------------------------------- AttnRes
+@pytest.mark.parametrize("num_tokens,width", [(1, 64), (15, 100), (64, 48)])
+@pytest.mark.parametrize("num_valid", [0, 3, 8])
+def test_attn_res_read(num_tokens, width, num_valid):
+    slots = 9
+    arena = randn(num_tokens, slots + 1, width, scale=2.0)
+    arena[:, num_valid:] = float("nan")           # unsealed slots are garbage: the kernel must not read them
+    bank = arena[:, 1:]                           # a strided view, as a slice of a larger per-forward buffer
+    bank[:, :num_valid] = randn(num_tokens, num_valid, width, scale=2.0)
+    live = randn(num_tokens, width, scale=5.0)
+    query = randn(width, scale=0.3)
+    with nan_poisoned_allocations():
+        out = attn_res.attn_res_read(bank, num_valid, live, query, 1e-5)
+    expected = ref_attn_res.attn_res_read(f64(bank), num_valid, f64(live), f64(query), 1e-5)
+    # float32 dot/RMS over <= 100 elements, softmax over <= 9 candidates: relative ~1e-6 of outputs of size ~5
+    check(out, expected, atol=2e-5, rtol=1e-5, what="attn_res_read")
+
+
+# ---------------------------------------------------------------------------------------------- MLA prefill
+def varlen(lengths):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("head_dim_qk,head_dim_v", [(24, 16), (64, 32), (48, 16)])
+@pytest.mark.parametrize("query_lens,prefix_lens", [
+    ([1], [0]),
+    ([15, 1, 65], [0, 5, 3]),                    # mixes a 1-token sequence with longer ones, cached prefixes
+    ([63, 64], [0, 1]),
+    ([1, 1, 2], [7, 0, 30]),                     # decode-like rows with long prefixes
+])
+def test_mla_prefill(head_dim_qk, head_dim_v, query_lens, prefix_lens):
+    heads = 2
+    key_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
+    q = randn(sum(query_lens), heads, head_dim_qk)
+    k = randn(sum(key_lens), heads, head_dim_qk)
+    v = randn(sum(key_lens), heads, head_dim_v)
+    cu_q, cu_k = varlen(query_lens), varlen(key_lens)
+    scale = head_dim_qk ** -0.5
+    with nan_poisoned_allocations():
+        out = mla_prefill.mla_prefill(q, k, v, cu_q, cu_k, scale)
+    expected = ref_mla.mla_prefill(f64(q), f64(k), f64(v), cu_q.cpu(), cu_k.cpu(), scale)
+    # float32 scores over <= 64 dims and an online softmax over <= 70 keys: outputs are convex mixes of N(0,1)
+    check(out, expected, atol=2e-5, rtol=1e-5, what="mla_prefill output")
+
+
+def test_mla_prefill_empty_batch():
+    q = randn(0, 2, 24)
+    out = mla_prefill.mla_prefill(q, randn(0, 2, 24), randn(0, 2, 16), varlen([]), varlen([]), 0.2)
+    assert out.shape == (0, 2, 16)
+
+
+def test_split_head_dim():
+    assert mla_prefill.split_head_dim(192) == (128, 64)
+    assert mla_prefill.split_head_dim(128) == (128, 0)
+    assert mla_prefill.split_head_dim(24) == (16, 16)
+
+
+# ---------------------------------------------------------------------------------------------- MLA decode
+def paged_cache(seq_lens, page_size, latent, generator):
+    """A poisoned arena of pages (dim 0 strided) and a shuffled, non-contiguous page table."""
+    pages_needed = [math.ceil(n / page_size) for n in seq_lens]
+    max_pages = max(pages_needed) + 1                          # one spare column of garbage page ids
+    num_pages = sum(pages_needed) + 5
+    arena = torch.full((2 * num_pages, page_size, latent), float("nan"), device=DEVICE)
+    kv_cache = arena[::2]                                      # any stride on dim 0, as a view into the pool
+    permutation = torch.randperm(num_pages, generator=generator).tolist()
+    page_table = torch.full((len(seq_lens), max_pages), 10 ** 6, dtype=torch.int32)   # garbage past the end
+    for b, (n, used) in enumerate(zip(seq_lens, pages_needed)):
+        for j in range(used):
+            page = permutation.pop()
+            page_table[b, j] = page
+            valid = min(page_size, n - j * page_size)
+            kv_cache[page, :valid] = randn(valid, latent, generator=generator)
+    return kv_cache, page_table.to(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("seq_lens", [[1], [15, 1, 65], [63, 64, 2]])
+@pytest.mark.parametrize("v_dim,rope_dim", [(32, 16), (64, 8)])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_mla_decode(page_size, seq_lens, v_dim, rope_dim, num_splits):
+    generator = torch.Generator().manual_seed(hash((page_size, tuple(seq_lens), v_dim, num_splits)) % 2 ** 31)
+    heads, latent = 2, v_dim + rope_dim
+    kv_cache, page_table = paged_cache(seq_lens, page_size, latent, generator)
+    q = randn(len(seq_lens), heads, latent, generator=generator)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = latent ** -0.5
+    with nan_poisoned_allocations():
+        if num_splits is None:
+            result = mla_decode.mla_decode(q, kv_cache, page_table, seq_lens_t, scale, v_dim)
+        else:
+            result = mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, num_splits)
+    table = page_table.cpu().clamp(max=kv_cache.shape[0] - 1)     # the reference gathers before it masks
+    expected = ref_mla.mla_decode(f64(q), f64(kv_cache), table, seq_lens_t.cpu(), scale, v_dim)
+    # float32 scores over <= 80 dims, online softmax over <= 65 entries, split partials merged by LSE
+    check(result.output, expected.output, atol=2e-5, rtol=1e-5, what="mla_decode output")
+    # the LSE is of size ~log(65) + max score: float32 absolute error ~1e-6
+    check(result.lse, expected.lse, atol=1e-5, rtol=1e-6, what="mla_decode lse")
+    assert result.lse.dtype == torch.float32 and result.output.dtype == q.dtype
+
+
+def test_mla_decode_empty_batch():
+    result = mla_decode.mla_decode(randn(0, 2, 48), randn(4, 16, 48), torch.zeros(0, 3, dtype=torch.int32,
+                                   device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE), 0.1, 32)
+    assert result.output.shape == (0, 2, 32) and result.lse.shape == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------- MoE routing
+@pytest.mark.parametrize("num_tokens", [1, 15, 65])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (20, 5)])
+@pytest.mark.parametrize("scoring,use_bias,renormalize,scaling", [
+    ("sigmoid", True, True, 1.0), ("sigmoid", False, False, 2.5), ("softmax", False, True, 1.0),
+    ("softmax", True, False, 0.5)])
+def test_moe_route(num_tokens, num_experts, top_k, scoring, use_bias, renormalize, scaling):
+    logits = randn(num_tokens, num_experts, scale=2.0)
+    bias = randn(num_experts, scale=0.5) if use_bias else None
+    with nan_poisoned_allocations():
+        result = moe_route.moe_route(logits, bias, top_k, scoring, renormalize, scaling)
+    expected = ref_moe.moe_route(f64(logits), None if bias is None else f64(bias), top_k, scoring, renormalize,
+                                 scaling)
+    # random float logits have no ties within float32 rounding, so the choice and its order must be exact
+    assert torch.equal(result.expert_ids.cpu(), expected.expert_ids), "moe_route expert_ids"
+    # float32 sigmoid/softmax and a sum of <= 5 terms: a few ulp relative
+    check(result.weights, expected.weights, atol=1e-6, rtol=1e-5, what="moe_route weights")
+
+
+# ---------------------------------------------------------------------------------------------- MoE experts
+@pytest.mark.parametrize("num_tokens", [1, 15, 65])
+@pytest.mark.parametrize("activation_name,beta,linear_beta", [("silu", None, None), ("situ", 4.0, 25.0)])
+@pytest.mark.parametrize("expert_offset,local_experts", [(0, 8), (3, 4)])
+def test_moe_experts(num_tokens, activation_name, beta, linear_beta, expert_offset, local_experts):
+    hidden, inter, top_k, global_experts = 48, 24, 2, 8
+    x = randn(num_tokens, hidden)
+    w13 = randn(local_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(local_experts, hidden, inter, scale=inter ** -0.5)
+    expert_ids = torch.stack([torch.randperm(global_experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    with nan_poisoned_allocations():
+        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, activation_name, beta, linear_beta,
+                                      expert_offset)
+    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), activation_name,
+                                   beta, linear_beta, expert_offset)
+    # two float32 GEMMs (K = 48 then 24) of unit-scale values and a 2-term float32 sum
+    check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts")
+
+
+def test_moe_experts_empty_batch():
+    out = moe_experts.moe_experts(randn(0, 48), randn(8, 48, 48), randn(8, 48, 24), torch.zeros(0, 2, device=DEVICE),
+                                  torch.zeros(0, 2, dtype=torch.long, device=DEVICE), "silu", None, None)
+    assert out.shape == (0, 48)
+
+
+def test_group_pairs_by_expert_blocks_hold_one_expert_each():
+    num_experts, block_m = 5, 4
+    expert_ids = torch.randint(-2, num_experts + 2, (13, 3), device=DEVICE)
+    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, num_experts, block_m)
+    flat = expert_ids.reshape(-1).cpu()
+    pairs = blocks.sorted_pairs.cpu().view(-1, block_m)
+    placed = []
+    for block, expert in enumerate(blocks.block_experts.cpu().tolist()):
+        real = [p for p in pairs[block].tolist() if p < flat.numel()]
+        if expert >= num_experts:
+            assert not real, "an idle block holds pairs"
+        assert all(flat[p] == expert for p in real), "a block mixes experts"
+        placed += real
+    mine = [i for i, e in enumerate(flat.tolist()) if 0 <= e < num_experts]
+    assert sorted(placed) == mine, "every local pair is placed exactly once and foreign pairs are dropped"
