@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -188,8 +188,11 @@ def machine() -> dict:
                                 check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    import torch
     return {"cpu": cpu, "num_cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "commit": commit,
+            "python": platform.python_version(), "torch": torch.__version__, "commit": commit,
+            "load_average_1m_at_end": os.getloadavg()[0],   # other work on the box inflates every latency
+
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -233,12 +236,15 @@ def main(argv: list[str] | None = None) -> int:
               f"`python -m k3core.serve`", file=sys.stderr)
         return 2
     prompts = make_prompts(args)
+    load_at_start = os.getloadavg()[0]
     results, duration = asyncio.run(run_all(args, prompts, model, headers))
     after = parse_metrics(httpx.get(args.url + "/metrics", timeout=10).text)
     summary = summarize(results, duration, before, after)
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "output")}
-    record = {"benchmark": "serve_bench", "model": model, "config": config, "machine": machine(),
-              "result": summary}
+    if config["request_rate"] == float("inf"):
+        config["request_rate"] = "inf"                # strict JSON has no Infinity
+    record = {"benchmark": "serve_bench", "model": model, "config": config,
+              "machine": {**machine(), "load_average_1m_at_start": load_at_start}, "result": summary}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -4,6 +4,7 @@ Data checks are exact (torch.equal): the pools only copy bytes, so any differenc
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from k3core.config import ModelConfig
 from k3core.memory import (ALIGN_BYTES, PoolError, PoolLayout, StaticDualPool, UnifiedPool)
 
 POOLS = (UnifiedPool, StaticDualPool)
+DEVICE = os.environ.get("K3CORE_TEST_DEVICE", "cpu")   # the pools are device-agnostic; CI runs them on the CPU
 
 
 def small_layout(conv_dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype = torch.bfloat16) -> PoolLayout:
@@ -28,8 +30,8 @@ def make_pool(cls, layout: PoolLayout, num_slot_blocks: int, num_page_blocks: in
     """A pool with room for about this many slots and pages (the static pool split exactly so)."""
     capacity = num_slot_blocks * layout.slot_bytes + num_page_blocks * layout.page_bytes
     if cls is StaticDualPool:
-        return StaticDualPool(layout, capacity, num_slots=num_slot_blocks)
-    return UnifiedPool(layout, capacity)
+        return StaticDualPool(layout, capacity, DEVICE, num_slots=num_slot_blocks)
+    return UnifiedPool(layout, capacity, DEVICE)
 
 
 class Shadow:
@@ -41,7 +43,7 @@ class Shadow:
         self.pages: dict[int, list[torch.Tensor]] = {}
 
     def _random(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.randn(like.shape, generator=self.generator, dtype=torch.float32).to(like.dtype)
+        return torch.randn(like.shape, generator=self.generator, dtype=torch.float32).to(like.device, like.dtype)
 
     def write_slot(self, handle) -> None:
         position, layout, data = self.pool.slot_position(handle), self.pool.layout, []
@@ -115,17 +117,17 @@ def test_views_are_strided_windows_on_the_arena_bytes(cls):
         assert kv.shape == (pool.num_page_positions, 3, 7) and kv[0].is_contiguous()
     # Writing through a view lands at the documented byte offsets.
     slot_position = pool.slot_position(slot)
-    value = torch.randn(2, 5, 5)
+    value = torch.randn(2, 5, 5, device=DEVICE)
     pool.kda_state(2)[slot_position] = value                                         # [H, V, K]
     start = slot_position * layout.slot_bytes + 2 * layout.state_layer_bytes
     assert torch.equal(pool.arena[start:start + layout.state_layer_bytes].view(torch.float32).view(2, 5, 5), value)
-    conv_value = torch.randn(3, 30).to(torch.bfloat16)
+    conv_value = torch.randn(3, 30, device=DEVICE).to(torch.bfloat16)
     pool.conv_state(1)[slot_position] = conv_value                                   # [window, C]
     start = slot_position * layout.slot_bytes + layout.conv_offset + layout.conv_layer_bytes
     assert torch.equal(pool.arena[start:start + layout.conv_layer_bytes].view(torch.bfloat16).view(3, 30),
                        conv_value)
     page_position = int(pool.page_positions(pages[1:])[0])
-    kv_value = torch.randn(3, 7)
+    kv_value = torch.randn(3, 7, device=DEVICE)
     pool.mla_kv(1)[page_position] = kv_value                                         # [page_size, D_latent]
     start = pool.page_base + page_position * layout.page_bytes + layout.page_layer_bytes
     assert torch.equal(pool.arena[start:start + layout.page_layer_bytes].view(torch.float32).view(3, 7), kv_value)
@@ -169,8 +171,8 @@ def test_unified_pool_lends_free_bytes_to_either_kind_where_static_refuses():
                         state_dtype=torch.float32, conv_dtype=torch.bfloat16, num_mla_layers=1, page_size=1,
                         latent_width=128, kv_dtype=torch.bfloat16)
     assert layout.slot_bytes == 3 * layout.page_bytes                 # the launch write-up's toy: slot = 3 pages
-    unified = UnifiedPool(layout, 12 * layout.page_bytes)
-    static = StaticDualPool(layout, 12 * layout.page_bytes, num_slots=2)   # 6 pages KDA | 6 pages MLA
+    unified = UnifiedPool(layout, 12 * layout.page_bytes, DEVICE)
+    static = StaticDualPool(layout, 12 * layout.page_bytes, DEVICE, num_slots=2)   # 6 pages KDA | 6 pages MLA
     for pool in (unified, static):
         assert pool.alloc_slot() is not None
     assert unified.alloc_pages(9) is not None                         # takes the KDA side's idle bytes
@@ -184,15 +186,15 @@ def test_unified_pool_lends_free_bytes_to_either_kind_where_static_refuses():
 def test_capacity_too_small_is_refused_with_a_reason(cls):
     layout = small_layout()
     with pytest.raises(ValueError, match="capacity_bytes"):
-        cls(layout, layout.slot_bytes)
+        cls(layout, layout.slot_bytes, DEVICE)
 
 
 @pytest.mark.parametrize("cls", POOLS)
 def test_from_free_memory_takes_a_fraction_of_free_host_memory(cls):
-    pool = cls.from_free_memory(small_layout(), 1e-6, "cpu")
-    assert pool.arena.device.type == "cpu" and pool.capacity_bytes > 0
+    pool = cls.from_free_memory(small_layout(), 1e-6, DEVICE)
+    assert pool.arena.device.type == torch.device(DEVICE).type and pool.capacity_bytes > 0
     with pytest.raises(ValueError, match="fraction"):
-        cls.from_free_memory(small_layout(), 1.5, "cpu")
+        cls.from_free_memory(small_layout(), 1.5, DEVICE)
 
 
 # ---- frees and compaction -------------------------------------------------------------------------

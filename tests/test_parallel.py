@@ -69,3 +69,52 @@ def test_plan_matches_single_process(reference, name):
             error = (got - expected).abs().max().item() / expected.abs().max().item()
             assert error <= LOGIT_RTOL, f"rank {rank} of {name}: relative logit error {error:.2e}"
     assert any(logits[0] is not None for _, logits, _ in results)
+
+
+def _leader_follower_main(rank: int, plan: ParallelPlan, device, abort_at_step: int):
+    from k3core.parallel.distributed_engine import DistributedEngine, follow
+    options = dict(backend="torch", device=str(device), dtype="float32", seed=7, plan=plan, rank=rank,
+                   page_size=2, checkpoint_interval=8, chunked_prefill_tokens=8)
+    layout = LLM("k3-tiny", memory_bytes=1 << 20, **options).engine.pool.layout
+    # room for two requests' slots and 6 pages: the four requests take turns and decodes run out of pages
+    llm = LLM("k3-tiny", memory_bytes=2 * layout.slot_bytes + 6 * layout.page_bytes, **options)
+    if rank != 0:
+        follow(llm.engine, llm.comm)
+        llm.engine.check_invariants()
+        return llm.engine.scheduler.num_retractions, llm.memory_usage()
+    engine = DistributedEngine(llm.engine, llm.comm)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(list(p), params) for p in PROMPTS + [[3] * 12]]
+    victim = ids[-1]
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work:
+        step += 1
+        if step == abort_at_step:
+            engine.abort(victim)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.engine.check_invariants()
+    engine.flush_cache()
+    engine.shutdown()
+    return [outputs[i] for i in ids[:-1]], llm.engine.scheduler.num_retractions, llm.memory_usage()
+
+
+@pytest.mark.parametrize("plan", [ParallelPlan(pp=2), ParallelPlan(tp=2, dcp=2)], ids=["pp2", "tp2_dcp2"])
+def test_leader_and_followers_with_abort_and_retraction(reference, plan):
+    results = spawn(_leader_follower_main, plan, args=(3,))
+    tokens, retractions, usage = results[0]
+    assert tokens == reference[0], "the leader's tokens differ from one process"
+    assert retractions > 0, "the pool was meant to be small enough to force a retraction"
+    for rank, result in enumerate(results):
+        usage = result[-1]
+        assert usage.kda_bytes == 0 and usage.mla_bytes == 0, f"rank {rank} holds memory after flush: {usage}"
+        assert result[-2] == retractions, f"rank {rank} retracted differently from the leader"
+
+
+def test_pipeline_toy_matches_the_write_up():
+    from bench.pp_sim import schedule, utilisation
+    assert round(utilisation(8, 5), 2) == 0.42          # the write-up's 8 stages x 5 chunks: 42 % of slots
+    grid = schedule(8, 5)
+    assert sum(c is not None for row in grid for c in row) == 8 * 5
+    assert utilisation(8, 64) > utilisation(8, 16) > utilisation(8, 5)

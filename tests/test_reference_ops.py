@@ -48,7 +48,7 @@ def kda_inputs(seq_len, num_heads, head_dim, form, gen, dtype=F64):
 
 
 def recurrent_states_at(q, k, v, g, beta, state, scale, lengths):
-    """The recurrent oracle's state after each of `lengths` tokens (run segment by segment: the recurrence is Markov)."""
+    """The recurrent oracle's state after each of `lengths` tokens (segment by segment: the recurrence is Markov)."""
     states, start = [], 0
     for end in lengths:
         state = kda_recurrent(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], state,
@@ -122,9 +122,10 @@ def test_kda_prefill_varlen_matches_recurrent(form):
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     arena, state = make_state_view(9, num_heads, head_dim, head_dim, gen)
     assert not state.is_contiguous()
-    before = arena.clone()
     slots = torch.tensor([7, 2, 5, 0, 3])
     has_init = torch.tensor([True, False, True, False, True])
+    state[slots[~has_init]] = float("nan")                  # a slot without initial state must never be read
+    before = arena.clone()
     scale, interval = head_dim ** -0.5, 32
     out = kda_prefill(q, k, v, f, beta_logits, gate, cu, state, slots, has_init, scale, checkpoint_interval=interval)
 
@@ -143,7 +144,10 @@ def test_kda_prefill_varlen_matches_recurrent(form):
         args = (independent_l2(q[s:e]), independent_l2(k[s:e]), v[s:e], g[s:e], beta[s:e])
         ref = kda_recurrent(*args, initial, scale)
         torch.testing.assert_close(out.output[s:e], ref.output, atol=KDA_F64_ATOL, rtol=0)
-        expected_final = ref.final_state if length else (initial if initial is not None else torch.zeros_like(ref.final_state))
+        if length == 0:                                     # nothing consumed: the initial state (or zeros) is written
+            expected_final = initial if initial is not None else torch.zeros_like(ref.final_state)
+        else:
+            expected_final = ref.final_state
         torch.testing.assert_close(state[slots[b]], expected_final, atol=KDA_F64_ATOL, rtol=0)
         ckpt = sorted(set(range(interval, length + 1, interval)) | ({length} if length else set()))
         want_seqs += [b] * len(ckpt)
@@ -207,7 +211,8 @@ def test_kda_gate_ranges_and_extremes():
     params = random_gate(4, 8, "softplus", gen)
     huge = torch.full((1, 4, 8), 1e4)
     g = kda_gate(huge, params)
-    assert torch.isfinite(g).all() and torch.allclose(g, -torch.exp(params.A_log)[:, None] * (1e4 + params.dt_bias.view(4, 8)))
+    expected = -torch.exp(params.A_log)[:, None] * (1e4 + params.dt_bias.view(4, 8))   # softplus(x) = x for x > 20
+    assert torch.isfinite(g).all() and torch.allclose(g, expected)
     tiny = kda_gate(-huge, params)
     assert bool((tiny <= 0).all()) and tiny.abs().max() < 1e-30
     with pytest.raises(ValueError, match="gate form"):
@@ -216,7 +221,9 @@ def test_kda_gate_ranges_and_extremes():
 
 # ------------------------------------------------------------------ transformers' Kimi-Linear (independent)
 
-hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+@pytest.fixture(scope="module")
+def hf():
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 
 def tiny_hf_config():
@@ -228,7 +235,7 @@ def tiny_hf_config():
 
 
 @pytest.mark.parametrize("seq_len", [1, 63, 100])
-def test_kda_matches_transformers(seq_len):
+def test_kda_matches_transformers(seq_len, hf):
     gen = seeded(21 + seq_len)
     num_heads, head_dim = 2, 16
     q, k, v, g, beta = kda_inputs(seq_len, num_heads, head_dim, "softplus", gen, dtype=torch.float32)
@@ -248,7 +255,7 @@ def test_kda_matches_transformers(seq_len):
     torch.testing.assert_close(l2_normalize(x), hf.l2norm(x), atol=0, rtol=0)
 
 
-def test_short_conv_matches_transformers():
+def test_short_conv_matches_transformers(hf):
     gen = seeded(22)
     channels, kernel, length = 12, 4, 9
     weight = torch.randn(channels, kernel, generator=gen)
@@ -265,7 +272,7 @@ def test_short_conv_matches_transformers():
     torch.testing.assert_close(state[1], hf_state[0].T, atol=0, rtol=0)
 
 
-def test_gate_router_norms_match_transformers():
+def test_gate_router_norms_match_transformers(hf):
     torch.manual_seed(23)
     config = tiny_hf_config()
     gate = hf.KimiLinearForgetGate(config)
@@ -379,6 +386,7 @@ def test_short_conv_prefill_then_decode_equals_prefill_and_short_history():
     arena = torch.randn(5, 2, kernel - 1, channels, generator=gen, dtype=F64)
     state = arena[:, 0]                                                      # strided slot axis
     untouched = state[1].clone()
+    state[3] = float("nan")                                                  # no initial state: never read
     x = torch.randn(12, channels, generator=gen, dtype=F64)
     whole_state = torch.zeros(5, kernel - 1, channels, dtype=F64)
     whole = short_conv_prefill(x, weight, torch.tensor([0, 12]), whole_state, torch.tensor([3]), torch.tensor([False]))
@@ -425,7 +433,7 @@ def test_mla_decode_matches_gather_softmax():
     arena = torch.full((10, 2, page_size, latent), float("nan"), dtype=F64)
     kv_cache = arena[:, 1]                                                   # strided page axis
     seq_lens = torch.tensor([1, 17, 48], dtype=torch.int32)
-    page_table = torch.tensor([[6, -1, -1], [2, 9, -1], [0, 4, 7]], dtype=torch.int32)   # -1: never read
+    page_table = torch.tensor([[6, -1, -1], [2, 9, -1], [1, 4, 7]], dtype=torch.int32)   # page 0 stays NaN
     for b, n in enumerate(seq_lens.tolist()):
         for j in range(n):
             kv_cache[page_table[b, j // page_size], j % page_size] = torch.randn(latent, generator=gen, dtype=F64)
@@ -523,3 +531,82 @@ def test_reduced_precision_inputs_follow_the_float64_oracle(dtype):
     w = torch.randn(head_dim, generator=gen).to(dtype)
     normed = gated_rms_norm(live, raw[3][:, 0], w, 1e-5)
     torch.testing.assert_close(normed.double(), gated_rms_norm(live.double(), raw[3][:, 0].double(), w, 1e-5), **tol)
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) device")
+def test_references_run_on_the_device_like_on_the_cpu():
+    """Every op on device tensors (strided state views included) gives the CPU result of the same float64 inputs."""
+    dev = torch.device("cuda")
+    gen = seeded(81)
+    num_heads, head_dim = 2, 16
+    cu = torch.tensor([0, 5, 75], dtype=torch.int32)
+    kda_args = [torch.randn(75, num_heads, head_dim, generator=gen, dtype=F64) for _ in range(4)]
+    kda_args.append(torch.randn(75, num_heads, generator=gen, dtype=F64))
+    gate = random_gate(num_heads, head_dim, "softplus", gen)
+    slots, init = torch.tensor([2, 0]), torch.tensor([True, False])
+    _, state = make_state_view(3, num_heads, head_dim, head_dim, gen)
+    x = torch.randn(75, 12, generator=gen, dtype=F64)
+    conv_w = torch.randn(12, 4, generator=gen)
+    conv_state = torch.randn(3, 3, 12, generator=gen, dtype=F64)
+    kv_cache = torch.randn(4, 16, 20, generator=gen, dtype=F64)
+    pages, lens = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
+    w13, w2 = torch.randn(4, 12, 8, generator=gen, dtype=F64), torch.randn(4, 8, 6, generator=gen, dtype=F64)
+    logits = torch.randn(10, 6, generator=gen, dtype=F64)
+
+    def run_all(d):
+        to = lambda t: t.to(d)  # noqa: E731
+        st, cs = to(state.clone()), to(conv_state.clone())
+        results = [kda_prefill(*map(to, kda_args), gate, to(cu), st, to(slots), to(init), 0.25, 32)]
+        results.append(kda_decode(*[to(t[:2]) for t in kda_args], gate, st, to(slots), 0.25))
+        results += [st, short_conv_prefill(to(x), to(conv_w), to(cu), cs, to(slots), to(init))]
+        results += [short_conv_decode(to(x[:2]), to(conv_w), cs, to(slots)), cs]
+        results.append(mla_prefill(to(kda_args[0]), to(kda_args[1]), to(kda_args[2]), to(cu), to(cu), 0.3))
+        results.append(mla_decode(to(torch.randn(2, 3, 20, generator=seeded(1), dtype=F64)), to(kv_cache),
+                                  to(pages), to(lens), 0.3, 16))
+        route = moe_route(to(logits), to(torch.zeros(6, dtype=F64)), 2, "sigmoid", True, 1.0)
+        results += [route, moe_experts(to(x[:10, :8]), to(w13[:, :, :8]), to(w2), route.weights,
+                                       route.expert_ids + 2, "silu", None, None, expert_offset=2)]
+        results.append(attn_res_read(to(kda_args[0][:, :, :12]), 1, to(x), to(x[0]), 1e-5))
+        results.append(rms_norm(to(x), to(x[1]), 1e-5))
+        ones = torch.ones(10, device=d)
+        results.append(sample(to(logits).float(), ones * 0, (ones * 0).long(), ones, ones * 0, [None] * 10))
+        return results
+
+    def flat(items):
+        for item in items:
+            if isinstance(item, tuple):
+                yield from flat(item)
+            else:
+                yield item
+
+    for got, want in zip(flat(run_all(dev)), flat(run_all(torch.device("cpu")))):
+        assert got.device.type == "cuda"
+        # float64 on both devices; only the reduction order differs.
+        torch.testing.assert_close(got.cpu(), want, atol=1e-10, rtol=1e-10)
+
+
+def test_empty_batches():
+    """B = 0, cu_seqlens = [0], T = 0 (the op table's convention) must work and touch nothing."""
+    cu, none = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    empty = torch.zeros(0, 2, 8, dtype=F64)
+    state = torch.randn(3, 2, 8, 8, dtype=F64)
+    before = state.clone()
+    out = kda_prefill(empty, empty, empty, empty, torch.zeros(0, 2, dtype=F64),
+                      random_gate(2, 8, "softplus", seeded(0)), cu, state, none, none.bool(), 0.3, 4)
+    assert out.output.shape == (0, 2, 8) and out.checkpoint_states.shape == (0, 2, 8, 8)
+    assert kda_decode(empty, empty, empty, empty, torch.zeros(0, 2, dtype=F64), random_gate(2, 8, "softplus",
+                      seeded(0)), state, none, 0.3).shape == (0, 2, 8)
+    assert torch.equal(state, before)
+    conv_state = torch.randn(2, 3, 6)
+    assert short_conv_prefill(torch.zeros(0, 6), torch.ones(6, 4), cu, conv_state, none, none.bool()).shape == (0, 6)
+    assert mla_prefill(empty, empty, empty, cu, cu, 0.3).shape == (0, 2, 8)
+    assert mla_decode(empty, torch.zeros(2, 4, 8), torch.zeros(0, 1, dtype=torch.int32),
+                      torch.zeros(0, dtype=torch.int32), 0.3, 4).output.shape == (0, 2, 4)
+    route = moe_route(torch.zeros(0, 5), None, 2, "sigmoid", True, 1.0)
+    assert route.weights.shape == (0, 2)
+    assert moe_experts(torch.zeros(0, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3), route.weights,
+                       route.expert_ids, "silu", None, None).shape == (0, 4)
+    assert sample(torch.zeros(0, 5), *(torch.zeros(0),) * 4, []).shape == (0,)

@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from k3core import LLM, SamplingParams
 from k3core.serve.args import ServerArgs, parse_args
@@ -36,7 +37,9 @@ def server():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     args = ServerArgs(model=MODEL, port=port, api_key=API_KEY, context_length=CONTEXT, max_body_bytes=MAX_BODY,
-                      seed=SEED, log_level="warning", memory_bytes=64 << 20, **ENGINE)
+                      seed=SEED, log_level="warning", memory_bytes=64 << 20,
+                      cpu_threads=torch.get_num_threads(),     # leave the process-wide setting as the suite has it
+                      **ENGINE)
     srv = build_server(args)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -107,6 +110,22 @@ def test_flags_override_yaml(tmp_path):
     config.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])
+
+
+def test_health_is_503_until_the_engine_is_warm():
+    from fastapi.testclient import TestClient
+
+    from k3core.serve.app import create_app
+    from k3core.serve.engine_thread import EngineThread
+    from k3core.serve.metrics import ServerMetrics
+    args = ServerArgs()
+    metrics_ = ServerMetrics(args.model_name)
+    cold = EngineThread(lambda: None, metrics_)             # never started: stays cold
+    with TestClient(create_app(args, cold, metrics_)) as http:
+        assert http.get("/health").status_code == 503
+        reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "engine_not_ready"
+        assert "k3core_engine_ready" in http.get("/metrics").text
 
 
 # ---- completions and chat -------------------------------------------------------------------------------
@@ -215,6 +234,12 @@ def test_logprobs(client):
                                           extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                              stream=True, extra_body={"ignore_eos": True})
+    streamed_content = [item for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                        for item in chunk.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed_content] == [(i.token, i.logprob) for i in content]
     for item in content:
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
@@ -308,6 +333,17 @@ def test_disconnect_mid_stream_aborts_and_frees(server):
     assert metric_sum(values, "k3core_pool_bytes", kind="kda") == 0
     assert metric_sum(values, "k3core_pool_bytes", kind="mla") == 0
     assert metric_sum(values, "k3core_pool_bytes", kind="free") == metric_sum(values, "k3core_pool_capacity_bytes")
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server):
+    before = metrics(server)
+    body = {"model": MODEL, "prompt": "a patient client that leaves", "max_tokens": 280, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, headers=headers(), timeout=httpx.Timeout(30, read=0.3))
+    after = wait_idle(server)
+    aborted = metric_sum(after, "k3core_request_success_total", finish_reason="abort") - \
+        metric_sum(before, "k3core_request_success_total", finish_reason="abort")
+    assert aborted == 1
 
 
 def test_abort_request_endpoint(server):

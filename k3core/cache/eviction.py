@@ -52,12 +52,16 @@ def drop_checkpoint(cache: "RadixCache", node: TreeNode) -> tuple[int, int]:
 
 
 def evict_checkpoints(cache: "RadixCache", num_slots: int) -> tuple[int, int]:
-    """Drop at least num_slots unlocked checkpoints (fewer if not enough exist); returns (slots, pages) freed."""
+    """Drop at least num_slots unpinned checkpoints (fewer if not enough exist); returns (slots, pages) freed.
+
+    A lock protects what running requests READ, the pages. A checkpoint is only read while a request copies it
+    into its working slot (it is pinned then), so checkpoints on locked paths may go too, after every unlocked
+    one: otherwise a request that hit a checkpoint would keep it alive for its whole run and could starve itself."""
     if num_slots <= 0:
         return 0, 0
     candidates = [node for node in _all_nodes(cache.root)
-                  if node.checkpoint is not None and node.path_lock_count == 0]
-    candidates.sort(key=_checkpoint_order)
+                  if node.checkpoint is not None and node.checkpoint.pins == 0]
+    candidates.sort(key=lambda node: (node.path_lock_count > 0, *_checkpoint_order(node)))
     slots_freed = pages_freed = 0
     for node in candidates[:num_slots]:
         slots, pages = drop_checkpoint(cache, node)

@@ -25,6 +25,7 @@ class Checkpoint:
     partial_page: Optional[PageHandle]    # private copy of the last, partial page (None when page-aligned)
     num_tokens: int
     tokens_hash: int                      # prefix_hash of the prefix it was taken for
+    pins: int = 0                         # callers copying it right now; a pinned checkpoint is never evicted
 
 
 class TreeNode:

@@ -121,6 +121,17 @@ class RadixCache:
             current.path_lock_count -= 1
             current = current.parent
 
+    def pin_checkpoint(self, node: TreeNode) -> None:
+        """Keep node's checkpoint from eviction while the caller copies it (locks protect pages only)."""
+        if node.checkpoint is None:
+            raise ValueError(f"pin_checkpoint({node!r}): the node has no checkpoint")
+        node.checkpoint.pins += 1
+
+    def unpin_checkpoint(self, node: TreeNode) -> None:
+        if node.checkpoint is None or node.checkpoint.pins <= 0:
+            raise ValueError(f"unpin_checkpoint({node!r}) without a matching pin_checkpoint()")
+        node.checkpoint.pins -= 1
+
     # ---------------------------------------------------------------- inserts
     def insert_checkpoint(self, token_ids: Sequence[int], request_pages: Sequence[PageHandle],
                           slot: SlotHandle) -> InsertResult:

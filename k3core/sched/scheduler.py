@@ -77,6 +77,10 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(request, 1, samples=True))
             budget -= 1
+        # A decode may have retracted a request whose decode was already scheduled this step. Drop those chunks
+        # now, before admission: a retracted request can be readmitted below and must then get only its new chunk.
+        chunks = [c for c in chunks if c.request.status == Status.RUNNING]
+        budget = self.options.chunked_prefill_tokens - len(chunks)
         for request in [r for r in self.running if r.is_prefilling]:
             if budget <= 0:
                 break
@@ -95,8 +99,6 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        # A decode may have retracted a request whose chunk was already scheduled this step.
-        chunks = [c for c in chunks if c.request.status == Status.RUNNING]
         if not chunks and self.running:
             # Every running request is waiting for pages that only another running request holds: recompute the
             # cheapest later rather than stall forever.
@@ -135,14 +137,25 @@ class Scheduler:
 
     def _alloc(self, num_slots: int, num_pages: int):
         """Allocate, evicting unlocked cache entries when the pool is full. Returns pages (or [slot]) or None."""
-        for attempt in range(2):
-            if self.pool.can_allocate(num_slots, num_pages):
-                if num_slots:
-                    return [self.pool.alloc_slot()]
-                return self.pool.alloc_pages(num_pages)
-            if attempt == 0 and self.cache is not None:
-                self.cache.evict(num_slots=num_slots, num_pages=num_pages)
-        return None
+        if not self._make_room(num_slots, num_pages):
+            return None
+        if num_slots:
+            return [self.pool.alloc_slot()]
+        return self.pool.alloc_pages(num_pages)
+
+    def _make_room(self, num_slots: int, num_pages: int) -> bool:
+        """Evict unlocked cache entries until the pool can hold `num_slots` slots and `num_pages` pages. In the
+        unified pool bytes are bytes: a cached checkpoint slot makes room for pages and the other way round, so
+        keep evicting whichever kind is left until it fits or nothing unlocked remains."""
+        while not self.pool.can_allocate(num_slots, num_pages):
+            if self.cache is None:
+                return False
+            freed = self.cache.evict(num_slots=num_slots, num_pages=num_pages)
+            if freed.num_slots_freed + freed.num_pages_freed == 0:
+                freed = self.cache.evict(num_slots=1, num_pages=1)
+            if freed.num_slots_freed + freed.num_pages_freed == 0:
+                return self.pool.can_allocate(num_slots, num_pages)
+        return True
 
     def _cheapest_to_recompute(self, exclude: Request | None) -> Request | None:
         candidates = [r for r in self.running if r is not exclude]
@@ -163,19 +176,19 @@ class Scheduler:
         hit_tokens = hit.num_tokens if hit is not None and hit.checkpoint is not None else 0
         need_pages = -(-max(hit_tokens + 1, 1) // self.options.page_size) - (
             len(hit.shared_pages) if hit_tokens else 0)
-        if self.cache is not None and hit_tokens:
-            self.cache.lock(hit.node)           # protect the hit while we make room
-        if not self.pool.can_allocate(1, need_pages):
-            if self.cache is not None:
-                self.cache.evict(num_slots=1, num_pages=need_pages)
-            if not self.pool.can_allocate(1, need_pages):
-                if self.cache is not None and hit_tokens:
-                    self.cache.unlock(hit.node)
-                return False
+        if hit_tokens:
+            self.cache.lock(hit.node)           # protect the hit's pages while we make room
+            self.cache.pin_checkpoint(hit.node)  # ... and its checkpoint until it is copied
+        if not self._make_room(1, need_pages):
+            if hit_tokens:
+                self.cache.unpin_checkpoint(hit.node)
+                self.cache.unlock(hit.node)
+            return False
         request.working_slot = self.pool.alloc_slot()
         if hit_tokens:
             request.cache_node = hit.node
             self.pool.copy_slot(hit.checkpoint, request.working_slot)    # copy-on-write: never write the checkpoint
+            self.cache.unpin_checkpoint(hit.node)
             request.page_handles = list(hit.shared_pages)
             if hit.partial_page is not None:
                 page = self.pool.alloc_pages(1)[0]

@@ -131,23 +131,28 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         except ValueError as exc:
             raise APIError(str(exc), code="invalid_value") from None
 
-    async def collect(gen: Generation, request: Request) -> None:
-        """Wait for every choice; abort them all if the client disconnects meanwhile."""
+    async def collect(gen: Generation, request: Request) -> bool:
+        """Wait for every choice; False (and everything aborted) if the client disconnected meanwhile."""
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
-            async for choice, _, _ in gen.events(poll_s=DISCONNECT_POLL_S):
-                if choice is None and await request.is_disconnected():
-                    return
+            async for _ in gen.events(poll_s=DISCONNECT_POLL_S):
+                if time.monotonic() >= next_check:
+                    if await request.is_disconnected():
+                        return False
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
         finally:
             gen.close()
         if gen.error is not None:
             rejected = any(c.finish_reason == "rejected" for c in gen.choices)
             raise APIError(gen.error, status=400 if rejected else 500,
                            type="invalid_request_error" if rejected else "server_error")
+        return True
 
-    async def stream(gen: Generation, model: str, chat: bool) -> AsyncIterator[str]:
-        """Server-sent events, one per engine event with something to say; a cancelled stream aborts the rest."""
+    async def stream(gen: Generation, model: str, chat: bool, arrived: float) -> AsyncIterator[str]:
+        """Server-sent events, one per engine event with something to say; a cancelled stream aborts the rest.
+        The engine requests start only once the response starts, so that nothing runs for a client already gone."""
         try:
-            offsets = [0] * len(gen.choices)
+            gen.start(arrived)
             if chat:
                 yield responses.sse(responses.chat_chunk(gen, model, [
                     responses.chat_choice_delta(gen, c, {"role": "assistant", "content": ""}, [], [], False)
@@ -161,8 +166,7 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                         gen, choice, {"content": delta} if delta else {}, token_ids, entries, choice.finished)])
                 else:
                     body = responses.completion_chunk(gen, model, [responses.completion_choice(
-                        gen, choice, delta, token_ids, entries, offsets[choice.index], choice.finished)])
-                    offsets[choice.index] += len(delta)
+                        gen, choice, delta, len(token_ids), entries, choice.finished)])
                 yield responses.sse(body)
             if gen.error is not None:
                 yield responses.sse(APIError(gen.error, status=500, type="server_error").body())
@@ -190,12 +194,11 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
                          include_usage=req.include_usage)
-        gen.start(arrived)
         if req.stream:
-            return StreamingResponse(stream(gen, args.model_name, chat), media_type="text/event-stream",
+            return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        await collect(gen, request)
-        if not gen.finished:
+        gen.start(arrived)
+        if not await collect(gen, request):
             return Response(status_code=499)        # the client left; nobody reads this
         return JSONResponse(responses.chat_body(gen, args.model_name) if chat
                             else responses.completion_body(gen, args.model_name))

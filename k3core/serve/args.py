@@ -21,6 +21,7 @@ class ServerArgs:
     device: str = "auto"                     # auto: cpu for the default k3-tiny, else the GPU when there is one
     dtype: str = "auto"                      # auto: float32 on the CPU, bfloat16 on a GPU
     seed: int = 0
+    cpu_threads: int | None = None           # torch intra-op threads on the CPU; None: all cores but one
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -56,6 +57,12 @@ class ServerArgs:
             return "cpu"
         return "cuda"
 
+    def resolved_cpu_threads(self) -> int:
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        import os
+        return max(1, (os.cpu_count() or 2) - 1)
+
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
             return self.dtype
@@ -69,6 +76,8 @@ _HELP = {
     "device": "cpu, cuda, cuda:1, ... (auto: cpu for the default k3-tiny, else a GPU when one is visible)",
     "dtype": "float32 | bfloat16 | float16 (auto: float32 on the CPU, bfloat16 on a GPU)",
     "seed": "seed of the random weights of a preset",
+    "cpu_threads": "torch threads when the model runs on the CPU (default: all cores but one, which is left to "
+                   "the HTTP side)",
     "host": "address to bind (default loopback only; 0.0.0.0 exposes the server to the network)",
     "port": "port to bind",
     "api_key": "require `Authorization: Bearer KEY` on /v1/*, /abort_request and /flush_cache",
@@ -137,7 +146,7 @@ def _coerce(name: str, value: Any) -> Any:
             return value
         if isinstance(default, float):
             return float(value)
-        if isinstance(default, int) or name in ("memory_bytes", "context_length"):
+        if isinstance(default, int) or name in ("memory_bytes", "context_length", "cpu_threads"):
             as_float = float(value)
             if as_float != int(as_float):
                 raise ValueError
@@ -174,6 +183,8 @@ def check_args(args: ServerArgs) -> str | None:
         return f"--backend {args.backend!r} is unknown; choose auto, cuda, rocm or torch"
     if args.context_length is not None and args.context_length < 2:
         return f"--context-length {args.context_length} is too small; give at least 2"
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        return f"--cpu-threads {args.cpu_threads} must be at least 1"
     if args.default_max_tokens < 1:
         return "--default-max-tokens must be at least 1"
     if args.max_body_bytes < 1024:

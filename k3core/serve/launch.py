@@ -22,6 +22,11 @@ log = logging.getLogger("k3core.serve")
 
 def _build_llm(args: ServerArgs):
     from k3core.llm import LLM
+    if args.resolved_device() == "cpu":
+        import torch
+        # Oversubscribed intra-op threads spin against the HTTP thread (and anything else on the box): on 2 busy
+        # cores, 2 threads decoded k3-tiny >10x slower than 1.
+        torch.set_num_threads(args.resolved_cpu_threads())
     return LLM(args.model, backend=args.backend, device=args.resolved_device(), dtype=args.resolved_dtype(),
                seed=args.seed, **args.engine_options())
 

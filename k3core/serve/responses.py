@@ -22,31 +22,31 @@ def _top(entry: dict[int, float], num: int) -> list[tuple[int, float]]:
 
 
 # ---- completions --------------------------------------------------------------------------------
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], num: int,
-                        text_offset: int) -> dict[str, Any]:
+def completion_logprobs(tokenizer: Any, all_token_ids: list[int], start: int, entries: list[dict[int, float]],
+                        num: int) -> dict[str, Any]:
+    """Logprobs of the tokens `all_token_ids[start:]`; `text_offset` counts characters of the decoded output."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = text_offset
-    for token_id, entry in zip(token_ids, entries):
-        text = token_text(tokenizer, token_id)
-        tokens.append(text)
+    for position, (token_id, entry) in enumerate(zip(all_token_ids[start:], entries), start):
+        tokens.append(token_text(tokenizer, token_id))
         token_logprobs.append(entry.get(token_id))
         tops.append({token_text(tokenizer, t): v for t, v in _top(entry, num)} if num else None)
-        offsets.append(offset)
-        offset += len(text)
+        offsets.append(len(tokenizer.decode(all_token_ids[:position])))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def completion_choice(gen: Generation, choice: Choice, text: str, token_ids: list[int],
-                      entries: list[dict[int, float]], text_offset: int, finish: bool) -> dict[str, Any]:
+def completion_choice(gen: Generation, choice: Choice, text: str, num_new_tokens: int,
+                      entries: list[dict[int, float]], finish: bool) -> dict[str, Any]:
+    """One choice of a response (all tokens) or of a chunk (the last `num_new_tokens` of the choice)."""
     logprobs = None
     if gen.params.logprobs is not None:
-        logprobs = completion_logprobs(gen_tokenizer(choice), token_ids, entries, gen.params.logprobs, text_offset)
+        logprobs = completion_logprobs(gen_tokenizer(choice), choice.token_ids,
+                                       len(choice.token_ids) - num_new_tokens, entries, gen.params.logprobs)
     return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason if finish else None}
 
 
 def completion_body(gen: Generation, model: str) -> dict[str, Any]:
-    choices = [completion_choice(gen, c, c.text.text, c.token_ids, c.logprobs, 0, True) for c in gen.choices]
+    choices = [completion_choice(gen, c, c.text.text, len(c.token_ids), c.logprobs, True) for c in gen.choices]
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage().body()}
 

@@ -26,7 +26,10 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[ChatMessage]) -> list[int
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """The text of one token for logprobs. A token that shows as nothing or as part of a character (special ids,
+    a lone UTF-8 byte) is written `token_id:N`, so that distinct tokens never share a key in `top_logprobs`."""
+    text = tokenizer.decode([token_id])
+    return text if text and "\ufffd" not in text else f"token_id:{token_id}"
 
 
 class IncrementalText:

@@ -14,6 +14,6 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def narrow_float32(dtype: torch.dtype) -> torch.dtype:
+def float32_unless_float64(dtype: torch.dtype) -> torch.dtype:
     """The dtype of an output the op table pins to float32: float64 stays float64 so the oracle loses nothing."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from k3core.ops import KdaGateParams, KdaPrefillOut
-from kernels.torch._dtypes import compute_dtype, narrow_float32
+from kernels.torch._dtypes import compute_dtype, float32_unless_float64
 
 L2_EPS = 1e-6
 GATE_FORMS = ("softplus", "lower_bound")
@@ -45,7 +45,7 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 def _safe_softplus(x: torch.Tensor) -> torch.Tensor:
     # log1p(exp(x)) overflows for large x; above 20 softplus(x) equals x to float32 precision.
-    return torch.log1p(torch.exp(x))
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
 
 
 def kda_gate(f: torch.Tensor, params: KdaGateParams) -> torch.Tensor:
@@ -59,7 +59,7 @@ def kda_gate(f: torch.Tensor, params: KdaGateParams) -> torch.Tensor:
     if params.A_log.numel() < num_heads or params.dt_bias.numel() != num_heads * head_dim:
         raise ValueError(f"kda_gate: need A_log with >= {num_heads} entries and dt_bias with {num_heads * head_dim}, "
                          f"got {params.A_log.numel()} and {params.dt_bias.numel()}")
-    dtype = narrow_float32(f.dtype)
+    dtype = float32_unless_float64(f.dtype)
     # A checkpoint may store A_log padded to head_dim entries: the first H are the per-head values.
     decay_rate = torch.exp(params.A_log.reshape(-1)[:num_heads].to(device=f.device, dtype=dtype))  # [H]
     x = f.to(dtype) + params.dt_bias.to(device=f.device, dtype=dtype).view(num_heads, head_dim)  # [T, H, K]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from k3core.ops import MlaDecodeOut
-from kernels.torch._dtypes import compute_dtype, narrow_float32
+from kernels.torch._dtypes import compute_dtype, float32_unless_float64
 
 
 def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -61,4 +61,4 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor
     lse = torch.logsumexp(scores, dim=-1)                                      # [B, H]
     probs = torch.exp(scores - lse[..., None])
     output = torch.einsum("bhl,bld->bhd", probs, entries[..., :v_dim])
-    return MlaDecodeOut(output.to(q.dtype), lse.to(narrow_float32(dtype)))
+    return MlaDecodeOut(output.to(q.dtype), lse.to(float32_unless_float64(dtype)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from k3core.ops import RouteOut
-from kernels.torch._dtypes import compute_dtype, narrow_float32
+from kernels.torch._dtypes import compute_dtype, float32_unless_float64
 from kernels.torch.activation import glu_activation
 
 SCORINGS = ("sigmoid", "softmax")
@@ -21,7 +21,7 @@ def moe_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k:
     """
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"moe_route: top_k={top_k} must be between 1 and the number of experts {logits.shape[-1]}")
-    dtype = narrow_float32(logits.dtype)
+    dtype = float32_unless_float64(logits.dtype)
     logits = logits.to(dtype)
     if scoring == "sigmoid":
         scores = torch.sigmoid(logits)                                         # [T, E]

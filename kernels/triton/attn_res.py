@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.tuning_ops import row_config
+from kernels.triton.tuning_ops import attn_res_config
 
 
 @triton.jit
@@ -68,5 +68,5 @@ def attn_res_read(bank: torch.Tensor, num_valid: int, live: torch.Tensor, query:
     block = triton.next_power_of_2(width)
     _attn_res_read_kernel[(num_tokens,)](bank, live, query.contiguous(), out, bank.stride(0), bank.stride(1),
                                          live.stride(0), out.stride(0), num_valid, width, eps, BLOCK_D=block,
-                                         num_warps=row_config(live.device, block).num_warps)
+                                         num_warps=attn_res_config(live.device, block).num_warps)
     return out

@@ -127,6 +127,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     intra = kernel_config("kda_intra")
     sub_chunk = min(intra.sub_chunk, chunk_size)
     dense = form == 1 and (sub_chunk - 1) * abs(gate.lower_bound) <= MAX_DENSE_EXPONENT
+    # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast solve setting.
+    precision = intra.solve_precision if work_dtype != torch.float32 else "ieee"
     w = torch.empty(num_tokens, num_heads, k_dim, dtype=work_dtype, device=device)       # T (beta k exp G)
     qg = torch.empty_like(w)                                                            # q exp G
     kd = torch.empty_like(w)                                                            # k exp(G_last - G)
@@ -138,7 +140,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
             q, k, v, f, beta_logits, a_log, dt_bias, plan.chunk_start, plan.chunk_len,
             w, u0, qg, kd, aqk, decay, float(gate.lower_bound),
             H=num_heads, K=k_dim, V=v_dim, BT=chunk_size, BK=block_k, BVF=block_v_full, SUB=sub_chunk,
-            FORM=form, DENSE=dense, PRECISION=intra.solve_precision,
+            FORM=form, DENSE=dense, PRECISION=precision,
             num_warps=intra.num_warps, num_stages=intra.num_stages)
 
     state_cfg = kernel_config("kda_state")
@@ -152,6 +154,6 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
         cu32, plan.seq_chunk, plan.chunk_start, plan.chunk_len,
         ckpt_states, plan.seq_ckpt, max(checkpoint_interval, 1), float(scale),
         H=num_heads, K=k_dim, V=v_dim, BT=chunk_size, BK=block_k, BV=block_v,
-        CHECKPOINTS=checkpoint_interval > 0, INTERPRETED=is_interpreted(), PRECISION=intra.solve_precision,
+        CHECKPOINTS=checkpoint_interval > 0, INTERPRETED=is_interpreted(), PRECISION=precision,
         num_warps=state_cfg.num_warps, num_stages=state_cfg.num_stages)
     return result

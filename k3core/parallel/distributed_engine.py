@@ -1,0 +1,77 @@
+"""Running one engine across the ranks of a plan: the leader decides, every rank steps.
+
+Every rank holds an identical Engine (scheduler, radix cache, pool bookkeeping) and makes identical decisions
+from identical inputs. The leader (global rank 0, which also serves HTTP) records the control operations it
+receives (add, abort, flush) and broadcasts them before each step; followers apply the same operations in the
+same order and step with it. Sampled tokens come from the last stage (ModelRunner.sample) so the request
+states stay identical everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3core.engine import Engine, StepOutput
+from k3core.sampling_params import SamplingParams
+
+
+@dataclass
+class _Control:
+    adds: list[tuple[list[int], dict, str]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    flush: bool = False
+    shutdown: bool = False
+
+
+class DistributedEngine:
+    """The leader's view: the Engine API, with every state change mirrored to the followers."""
+
+    def __init__(self, engine: Engine, comm):
+        self.engine = engine
+        self.comm = comm
+        self._pending = _Control()
+
+    def __getattr__(self, name: str) -> Any:          # read-only attributes (requests, scheduler, cache, ...)
+        return getattr(self.engine, name)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = self.engine.add_request(prompt_token_ids, params, request_id)
+        self._pending.adds.append((list(prompt_token_ids), vars(params).copy(), request_id))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        done = self.engine.abort(request_id)
+        if done:
+            self._pending.aborts.append(request_id)
+        return done
+
+    def flush_cache(self) -> bool:
+        self._pending.flush = True
+        return self.engine.flush_cache()
+
+    def step(self) -> list[StepOutput]:
+        self._broadcast()
+        return self.engine.step()
+
+    def shutdown(self) -> None:
+        self._pending.shutdown = True
+        self._broadcast()
+
+    def _broadcast(self) -> None:
+        control, self._pending = self._pending, _Control()
+        self.comm.broadcast_object(control, src=0)
+
+
+def follow(engine: Engine, comm) -> None:
+    """A follower's loop: apply the leader's operations, then step, until the leader shuts down."""
+    while True:
+        control: _Control = comm.broadcast_object(None, src=0)
+        for prompt, params, request_id in control.adds:
+            engine.add_request(prompt, SamplingParams(**params), request_id)
+        for request_id in control.aborts:
+            engine.abort(request_id)
+        if control.flush:
+            engine.flush_cache()
+        if control.shutdown:
+            return
+        engine.step()
