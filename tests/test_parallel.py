@@ -118,3 +118,36 @@ def test_pipeline_toy_matches_the_write_up():
     grid = schedule(8, 5)
     assert sum(c is not None for row in grid for c in row) == 8 * 5
     assert utilisation(8, 64) > utilisation(8, 16) > utilisation(8, 5)
+
+
+def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path):
+    """`python -m k3core.serve --tp 2` starts the second rank itself and serves the same greedy text."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from k3core.parallel.launch import free_port
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "k3core.serve", "--tp", "2", "--memory-bytes", str(64 << 20),
+                               "--port", str(port), "--cpu-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            time.sleep(0.5)
+        body = {"model": "k3-tiny", "prompt": [5, 17, 2, 99], "max_tokens": 6, "temperature": 0}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    single = LLM("k3-tiny", seed=0, prefix_cache=False, memory_bytes=64 << 20)
+    expected = single.generate([[5, 17, 2, 99]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert reply["choices"][0]["text"] == expected.text

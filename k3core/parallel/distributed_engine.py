@@ -53,6 +53,10 @@ class DistributedEngine:
         self._broadcast()
         return self.engine.step()
 
+    def run_until_done(self, request_ids: list[str], use_tqdm: bool = False) -> dict:
+        """Engine.run_until_done, stepping through this wrapper so the followers step too."""
+        return Engine.run_until_done(self, request_ids, use_tqdm)  # type: ignore[arg-type]
+
     def shutdown(self) -> None:
         self._pending.shutdown = True
         self._broadcast()
@@ -74,4 +78,8 @@ def follow(engine: Engine, comm) -> None:
             engine.flush_cache()
         if control.shutdown:
             return
-        engine.step()
+        for output in engine.step():
+            if output.finished:                       # the leader forgets finished requests; so do we
+                engine.requests.pop(output.request_id, None)
+        for request_id in control.aborts:
+            engine.requests.pop(request_id, None)

@@ -37,6 +37,14 @@ class ServerArgs:
     page_size: int = 16
     checkpoint_interval: int = 64
     disable_prefix_cache: bool = False
+    # parallel plan (k3core.parallel): ranks are started by the server itself
+    tp: int = 1
+    pp: int = 1
+    dcp: int = 1
+    ep: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None         # host:port of node 0's rank 0 (default: a free loopback port)
 
     @property
     def model_name(self) -> str:
@@ -48,6 +56,10 @@ class ServerArgs:
                     max_running_requests=self.max_running_requests, page_size=self.page_size,
                     checkpoint_interval=self.checkpoint_interval, memory_bytes=self.memory_bytes,
                     memory_fraction=self.memory_fraction)
+
+    def plan(self):
+        from k3core.parallel.plan import ParallelPlan
+        return ParallelPlan(tp=self.tp, pp=self.pp, dcp=self.dcp, ep=self.ep)
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -92,6 +104,13 @@ _HELP = {
     "page_size": "tokens per MLA page",
     "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size)",
     "disable_prefix_cache": "turn the radix prefix cache off",
+    "tp": "tensor-parallel size (KDA/MLA heads and MLP widths split; all-reduce after row-parallel projections)",
+    "pp": "pipeline stages (contiguous layers; prefill cut into micro-chunks that flow through the stages)",
+    "dcp": "decode context parallelism: MLA KV split by token position inside the ranks of a stage",
+    "ep": "expert parallelism: 1, or the ranks per stage (max(tp, dcp)) to split the routed experts",
+    "nnodes": "number of nodes (each starts its local ranks; node 0's first rank serves HTTP)",
+    "node_rank": "this node's index among --nnodes",
+    "dist_init_addr": "host:port where node 0's first rank listens for the others (required when --nnodes > 1)",
 }
 
 
@@ -194,4 +213,16 @@ def check_args(args: ServerArgs) -> str | None:
         EngineOptions(**args.engine_options())
     except ValueError as exc:
         return f"bad engine option: {exc}"
+    try:
+        plan = args.plan()
+    except ValueError as exc:
+        return f"bad parallel plan: {exc}"
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1}"
+    if plan.world_size % args.nnodes:
+        return f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}"
+    if args.nnodes > 1 and not args.dist_init_addr:
+        return "--dist-init-addr HOST:PORT is required when --nnodes > 1"
+    if plan.world_size > 1 and args.memory_bytes is None:
+        return "under a parallel plan give --memory-bytes, so that every rank's pool has the same size"
     return None

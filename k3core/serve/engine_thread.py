@@ -139,6 +139,8 @@ class EngineThread:
             self._publish()
         for request_id in list(self._tracked):
             self._abort(request_id)
+        if hasattr(self.engine, "shutdown"):       # a DistributedEngine: release the follower ranks
+            self.engine.shutdown()
 
     def _warm_up(self) -> None:
         engine, config = self.engine, self.llm.config

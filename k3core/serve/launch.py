@@ -66,7 +66,16 @@ class Server:
 
 def build_server(args: ServerArgs) -> Server:
     metrics = ServerMetrics(args.model_name)
-    engine = EngineThread(lambda: _build_llm(args), metrics, context_length=args.context_length)
+    build = lambda: _build_llm(args)  # noqa: E731
+    if args.plan().world_size > 1:
+        from k3core.serve.ranks import build_leader_llm, dist_setup, run_follower_node, start_local_ranks
+        setup = dist_setup(args)
+        start_local_ranks(args, setup)
+        if args.node_rank != 0:            # no HTTP here: this process is one more follower rank
+            run_follower_node(args, setup)
+            raise SystemExit(0)
+        build = lambda: build_leader_llm(args, setup)  # noqa: E731
+    engine = EngineThread(build, metrics, context_length=args.context_length)
     app = create_app(args, engine, metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=2, access_log=args.log_level == "debug")

@@ -35,7 +35,8 @@ def _pair_matrices_dense(q, k, G, rows, DOT_DTYPE: tl.constexpr, BT: tl.constexp
     Row factor: t in block i, so G_t - G_r in [-(SUB-1) * 5, 0]. Column factor, kept only for s < (i+1) * SUB:
     for s before block i, G_r - G_s <= 0; for s inside block i, G_r - G_s = sum of at most SUB - 1 = 15 gates each
     > lower_bound = -5, so G_r - G_s < 75 and exp(.) < exp(75) ~ 3.7e32, finite in float32 and bfloat16
-    (max ~3.4e38) even after summing 128 channels of |q k| <= 1. This bound is what the lower-bounded gate buys:
+    (max ~3.4e38) even after summing 128 channels of |q k| <= 1. The wrapper only takes this path when
+    (SUB - 1) * |lower_bound| <= 80 (MAX_DENSE_EXPONENT). This bound is what the lower-bounded gate buys:
     with the softplus gate a single token can decay by far more than 88 (exp overflow), so that path uses
     `_pair_matrices_exact`. The column factor is masked BEFORE exp, so pairs s > t of later blocks never see
     an overflowing exponent.
@@ -51,7 +52,7 @@ def _pair_matrices_dense(q, k, G, rows, DOT_DTYPE: tl.constexpr, BT: tl.constexp
         q_rows = tl.where(in_block[:, None], q * row_decay, 0.0).to(DOT_DTYPE)
         k_rows = tl.where(in_block[:, None], k * row_decay, 0.0).to(DOT_DTYPE)
         k_cols = tl.where(up_to_block[:, None], k * col_decay, 0.0).to(DOT_DTYPE)
-        aqk += tl.dot(q_rows, tl.trans(k_cols), input_precision=PRECISION)                                 # [BT, BT]
+        aqk += tl.dot(q_rows, tl.trans(k_cols), input_precision=PRECISION)   # [BT, BT]
         akk += tl.dot(k_rows, tl.trans(k_cols), input_precision=PRECISION)
     return aqk, akk
 
