@@ -236,9 +236,9 @@ def test_eos_stops_unless_ignore_eos(monkeypatch):
 
 # ---- scheduling equivalence (both models) --------------------------------------------------------------------
 def _workload(vocab: int) -> list[list[int]]:
-    """Mixed lengths, a family sharing a 37-token prefix, an exact repeat, a one-token prompt."""
-    family = _family(20, 37, [3, 9, 1], vocab)
-    singles = _random_prompts(21, [1, 6, 23, 41], vocab)
+    """Mixed lengths, a family sharing a 13-token prefix, an exact repeat, a one-token prompt (short: CI is slow)."""
+    family = _family(20, 13, [3, 6, 1], vocab)
+    singles = _random_prompts(21, [1, 5, 11], vocab)
     return family + singles + [family[0]]
 
 
@@ -254,14 +254,13 @@ def _check_equivalent(model: str, llm: LLM, prompts, outs) -> None:
 @pytest.mark.parametrize("options", [
     dict(prefix_cache=True, chunked_prefill_tokens=512),
     dict(prefix_cache=True, chunked_prefill_tokens=3),
-    dict(prefix_cache=False, chunked_prefill_tokens=3),
-    dict(prefix_cache=True, chunked_prefill_tokens=7, max_running_requests=2),
-], ids=["cache", "cache-chunk3", "nocache-chunk3", "cache-chunk7-max2"])
+    dict(prefix_cache=False, chunked_prefill_tokens=3, max_running_requests=2),
+], ids=["cache", "cache-chunk3", "nocache-chunk3-max2"])
 def test_greedy_outputs_do_not_depend_on_scheduling(model_path, options):
     llm = _llm(model_path, **options)
     prompts = _workload(llm.config.vocab_size)
     params = SamplingParams(max_tokens=MAX_TOKENS, **GREEDY)
-    for _ in range(2):      # the second round runs against a warm cache
+    for _ in range(2 if options["prefix_cache"] else 1):      # the second round runs against a warm cache
         outs = llm.generate(prompts, params)
         _check_equivalent(model_path, llm, prompts, outs)
         llm.engine.check_invariants()
@@ -347,7 +346,7 @@ def test_abort_frees_everything_and_spares_the_others(model_path, prefix_cache, 
     llm = _llm(model_path, prefix_cache=prefix_cache, chunked_prefill_tokens=5, max_running_requests=2)
     engine = llm.engine
     vocab = llm.config.vocab_size
-    victim_prompt, *others = _family(70, 16, [20, 4, 9], vocab)
+    victim_prompt, *others = _family(70, 16, [20, 4, 9, 6], vocab)
     params = SamplingParams(max_tokens=8, **GREEDY)
     if when == "queued":     # two others fill max_running_requests, the victim waits behind them
         survivors = [(engine.add_request(p, params), p) for p in others[:2]]

@@ -49,7 +49,8 @@ def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
         else:
             history = x.new_zeros(kernel - 1, x.shape[-1], dtype=dtype)
         window = torch.cat([history, x[start:end].to(dtype)])                 # [K_conv - 1 + L, C]
-        y[start:end] = _conv_silu(window, w, kernel).to(x.dtype)
+        if end > start:
+            y[start:end] = _conv_silu(window, w, kernel).to(x.dtype)
         conv_state[slot] = window[window.shape[0] - (kernel - 1):].to(conv_state.dtype)
     return y
 
