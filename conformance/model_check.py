@@ -71,14 +71,18 @@ def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -
     from k3core import LLM, SamplingParams
     model = smooth_routing_model(preset, tempfile.mkdtemp())
     generator = torch.Generator().manual_seed(int(time.time()))
-    reference = LLM(model, backend="torch", device="cpu", dtype="float32", seed=11, prefix_cache=False)
+    # The reference runs the torch references on the SAME device: preset weights are drawn with that device's
+    # generator, so a CPU reference would hold other weights than a GPU run of the same seed.
+    reference = LLM(model, backend="torch", device=device, dtype="float32", seed=11, prefix_cache=False,
+                    memory_bytes=256 << 20)
     prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator).tolist()
                for n in PROMPT_LENGTHS]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ref_tokens = [o.token_ids for o in reference.generate(prompts, params)]
     torch_bf16 = None
     if "bfloat16" in dtypes:
-        bf16 = LLM(model, backend="torch", device="cpu", dtype="bfloat16", seed=11, prefix_cache=False)
+        bf16 = LLM(model, backend="torch", device=device, dtype="bfloat16", seed=11, prefix_cache=False,
+                   memory_bytes=256 << 20)
         torch_bf16 = max(float((bf16.prompt_logits(p) - reference.prompt_logits(p)).abs().max()
                                / reference.prompt_logits(p).abs().max()) for p in prompts)
     results = []
@@ -89,7 +93,8 @@ def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -
         rows = []
         for prompt in prompts:
             comparison = compare_logits(lambda p: llm.prompt_logits(p[0])[None].cpu(),
-                                        lambda p: reference.prompt_logits(p[0])[None], [prompt], atol=float("inf"))
+                                        lambda p: reference.prompt_logits(p[0])[None].cpu(), [prompt],
+                                        atol=float("inf"))
             scale = float(reference.prompt_logits(prompt).abs().max())
             rows.append({"prompt_len": len(prompt), "relative_error": comparison.max_abs_logit_error / scale,
                          "greedy_agreement": comparison.greedy_agreement})

@@ -131,6 +131,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        assert len({id(c.request) for c in chunks}) == len(chunks), "the scheduler gave a request two chunks"
         self.num_steps += 1
         pool = self.pool
         work = []

@@ -289,6 +289,28 @@ def test_retraction_under_memory_pressure_keeps_outputs(model_path, prefix_cache
     _assert_all_freed(llm)
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_request_retracted_after_its_decode_was_scheduled(prefix_cache):
+    # A (short prompt, arrived first) gets its decode scheduled, then B's decode needs a page and retracts A, the
+    # cheapest to recompute; A's freed slot lets it be readmitted in the same step. Its decode from before the
+    # retraction must not run (it would feed a token into pages A no longer holds).
+    probe = _llm("k3-tiny")
+    layout = probe.engine.pool.layout
+    short, long = _random_prompts(0, [5, 30])
+    llm = _llm("k3-tiny", prefix_cache=prefix_cache, chunked_prefill_tokens=64,
+               memory_bytes=2 * layout.slot_bytes + 10 * layout.page_bytes)
+    engine = llm.engine
+    ids = [engine.add_request(short, SamplingParams(max_tokens=30, **GREEDY)),
+           engine.add_request(long, SamplingParams(max_tokens=12, **GREEDY))]
+    while engine.has_work:
+        engine.step()
+        engine.check_invariants()
+    assert engine.scheduler.num_retractions > 0
+    for request_id, prompt, max_tokens in zip(ids, (short, long), (30, 12)):
+        assert engine.requests[request_id].output_token_ids == _isolated("k3-tiny", prompt, max_tokens)
+    _assert_all_freed(llm)
+
+
 # ---- prefix cache -------------------------------------------------------------------------------------------
 def test_repeated_prompt_hits_all_but_the_last_token(model_path):
     llm = _llm(model_path)

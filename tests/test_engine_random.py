@@ -15,7 +15,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from k3core import LLM, SamplingParams  # noqa: E402
@@ -109,6 +109,10 @@ def test_random_workload_matches_isolated_greedy(arrivals, chunk_tokens, max_run
         else:
             assert request.finish_reason == "length"
             assert request.output_token_ids == expected, f"request {index} ({len(arrival.prompt)} tokens) differs"
+    # What this example exercised (pytest --hypothesis-show-statistics prints how often).
+    event(f"retracted: {engine.scheduler.num_retractions > 0}")
+    event(f"cache hit: {any(r.num_cached_tokens > 0 for r in engine.requests.values())}")
+    event(f"aborted: {any(r.finish_reason == 'abort' for r in engine.requests.values())}")
     engine.flush_cache()
     engine.check_invariants()
     usage = engine.memory_usage()
