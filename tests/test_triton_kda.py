@@ -9,17 +9,12 @@ name must come back bit-identical.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-# Until pyproject.toml sets [tool.pytest.ini_options] pythonpath = ["."], make the repository importable.
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # also set by conftest.py; kept for running this file alone
 pytest.importorskip("triton")
 
 import kernels.torch.conv as ref_conv  # noqa: E402

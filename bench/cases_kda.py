@@ -1,0 +1,188 @@
+"""KDA benchmark cases (issue 6, targets 1 and 2): chunked prefill vs fla `chunk_kda`, decode vs fla
+`fused_recurrent_kda`, both on K3's per-GPU shape at TP8 (12 heads, K = V = 128, float32 state, lower-bounded gate).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from bench.context import BF16_OUTPUT_TOL, FP32_STATE_TOL, BenchContext, fla_unavailable, load
+from bench.report import Check, Row, check, poison_allocator
+from bench.timing import num_input_sets
+from k3core.ops import KdaGateParams
+
+HEADS, HEAD_DIM = 12, 128
+SMOKE_HEADS, SMOKE_HEAD_DIM = 2, 16
+LOWER_BOUND = -5.0
+CHUNK = 64                          # the chunk size of both chunked kernels, used only in the FLOP estimate
+# bf16 q/k/v and bf16 intermediates of the chunked form (w, u, q exp G, ...) round several times per chunk before
+# the float32 state absorbs them, so the output drifts further from float64 than one rounding: 2e-2, not 1e-2.
+PREFILL_TOL = 2e-2
+REF_TOKENS = 8192                   # the float64 reference runs on at most this causal prefix of the batch
+PREFILL_SHAPES = (("B=1 T=32768", (32768,)), ("B=1 T=131072", (131072,)),
+                  ("varlen 8x4096", (4096,) * 8), ("varlen 64x512", (512,) * 64))
+SMOKE_PREFILL_SHAPES = (("B=1 T=40", (40,)), ("varlen 3 seqs", (17, 8, 23)))
+DECODE_BATCHES = (1, 16, 64, 256)
+SMOKE_DECODE_BATCHES = (1, 3)
+FLA_PREFILL = "fla chunk_kda (safe_gate, lb -5, gate+l2norm+sigmoid in kernel)"
+FLA_DECODE = "fla fused_recurrent_kda (in place by slot)"
+
+
+def _gate(ctx: BenchContext, heads: int, dim: int) -> KdaGateParams:
+    return KdaGateParams(ctx.randn(heads, scale=0.5, dtype=torch.float32),
+                         ctx.randn(heads * dim, scale=0.5, dtype=torch.float32), "lower_bound", LOWER_BOUND)
+
+
+def _gate64(gate: KdaGateParams) -> KdaGateParams:
+    return gate._replace(A_log=gate.A_log.double(), dt_bias=gate.dt_bias.double())
+
+
+def _reference_prefix(lengths: tuple[int, ...], budget: int) -> tuple[list[int], int]:
+    """The leading sequences the reference replays within `budget` tokens (the last one possibly cut: outputs are
+    causal, so a prefix's outputs are exact) and how many of them are whole (their final states can be compared)."""
+    taken: list[int] = []
+    for length in lengths:
+        room = budget - sum(taken)
+        if room <= 0:
+            break
+        taken.append(min(length, room))
+    whole = sum(1 for cut, length in zip(taken, lengths) if cut == length)
+    return taken, whole
+
+
+def prefill_flops(num_tokens: int, heads: int, k_dim: int, v_dim: int) -> float:
+    """Chunked-form estimate per token and head: K K^T and Q K^T inside the chunk (4 C K), M U (2 C V), the
+    triangular solve (C V) and three state products (6 K V)."""
+    return float(num_tokens * heads * (4 * CHUNK * k_dim + 3 * CHUNK * v_dim + 6 * k_dim * v_dim))
+
+
+def kda_prefill_rows(ctx: BenchContext) -> list[Row]:
+    heads, dim = (SMOKE_HEADS, SMOKE_HEAD_DIM) if ctx.smoke else (HEADS, HEAD_DIM)
+    return [_prefill_row(ctx, label, lengths, heads, dim)
+            for label, lengths in (SMOKE_PREFILL_SHAPES if ctx.smoke else PREFILL_SHAPES)]
+
+
+def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads: int, dim: int) -> Row:
+    num_tokens, num_seqs = sum(lengths), len(lengths)
+    q, k, f = (ctx.randn(num_tokens, heads, dim) for _ in range(3))              # [T, H, K]
+    v = ctx.randn(num_tokens, heads, dim)                                         # [T, H, V]
+    beta_logits = ctx.randn(num_tokens, heads)                                    # [T, H]
+    gate = _gate(ctx, heads, dim)
+    bounds = [0, *itertools.accumulate(lengths)]
+    cu32 = torch.tensor(bounds, dtype=torch.int32, device=ctx.device)
+    # has_initial_state is False, so the NaN in the state must never be read; every slot must be overwritten
+    state = torch.full((num_seqs, heads, dim, dim), float("nan"), dtype=torch.float32, device=ctx.device)
+    slots = torch.arange(num_seqs, device=ctx.device)
+    no_init = torch.zeros(num_seqs, dtype=torch.bool, device=ctx.device)
+    scale = dim ** -0.5
+    element = q.element_size()
+    row = Row("kda_prefill", label, "k3core triton kda_prefill", FLA_PREFILL,
+              flops=prefill_flops(num_tokens, heads, dim, dim),
+              bytes=float(num_tokens * heads * (4 * dim + dim + 1) * element + num_seqs * heads * dim * dim * 4))
+    kernel = load("kernels.triton.kda_prefill:kda_prefill")
+
+    def ours():
+        return kernel(q, k, v, f, beta_logits, gate, cu32, state, slots, no_init, scale)
+
+    poison_allocator(ctx.device, v.numel() * element)
+    output = ours().output                                                        # [T, H, V]
+    taken, whole = _reference_prefix(lengths, num_tokens if ctx.smoke else REF_TOKENS)
+    used = sum(taken)
+    ref_state = torch.zeros(len(taken), heads, dim, dim, dtype=torch.float64, device=ctx.device)
+    reference = load("kernels.torch.kda:kda_prefill")
+    ref = reference(q[:used].double(), k[:used].double(), v[:used].double(), f[:used].double(),
+                    beta_logits[:used].double(), _gate64(gate),
+                    torch.tensor([0, *itertools.accumulate(taken)], dtype=torch.int32, device=ctx.device),
+                    ref_state, torch.arange(len(taken), device=ctx.device),
+                    torch.zeros(len(taken), dtype=torch.bool, device=ctx.device), scale)
+    tol = ctx.tolerance(PREFILL_TOL)
+    row.checks.append(check(output[:used], ref.output, tol, f"output, first {used} tokens", full=output))
+    row.checks.append(check(state[:whole], ref_state[:whole], tol, f"final state of {whole} whole sequences",
+                            full=state))
+    row.ours_ms = ctx.timer.time(ours).ms if row.passed else None
+    row.timing = "eager, do_bench median (inputs far larger than L2)" if not ctx.smoke else "smoke"
+
+    row.anchor_unavailable = fla_unavailable(ctx)
+    if not row.anchor_unavailable:
+        anchor = _fla_prefill(q, k, v, f, beta_logits, gate, bounds, scale, ctx.device)
+        poison_allocator(ctx.device, v.numel() * element)
+        fla_out = anchor()[0][0]                                                  # [T, H, V]
+        row.anchor_checks.append(check(fla_out[:used], ref.output, tol, f"fla output, first {used} tokens",
+                                       full=fla_out))
+        row.anchor_ms = ctx.timer.time(anchor).ms
+    return row
+
+
+def _fla_prefill(q, k, v, f, beta_logits, gate: KdaGateParams, bounds: list[int], scale: float, device):
+    from fla.ops.kda import chunk_kda  # noqa: PLC0415  (vendor package: imported only when it is the anchor)
+    options = dict(scale=scale, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                   lower_bound=LOWER_BOUND, A_log=gate.A_log, dt_bias=gate.dt_bias, state_v_first=True)
+    if len(bounds) > 2:       # one sequence runs in fla's dense [1, T] form, which is its faster path
+        cu64 = torch.tensor(bounds, dtype=torch.int64)
+        options.update(cu_seqlens=cu64.to(device), cu_seqlens_cpu=cu64)
+    return lambda: chunk_kda(q[None], k[None], v[None], f[None], beta_logits[None], **options)
+
+
+def kda_decode_rows(ctx: BenchContext) -> list[Row]:
+    heads, dim = (SMOKE_HEADS, SMOKE_HEAD_DIM) if ctx.smoke else (HEADS, HEAD_DIM)
+    return [_decode_row(ctx, n, heads, dim) for n in (SMOKE_DECODE_BATCHES if ctx.smoke else DECODE_BATCHES)]
+
+
+def _decode_row(ctx: BenchContext, num_seqs: int, heads: int, dim: int) -> Row:
+    state_bytes = num_seqs * heads * dim * dim * 4 * 2                            # fp32 state read + written
+    num_sets = num_input_sets(state_bytes, ctx.device, ctx.smoke)
+    num_slots = num_sets * num_seqs + 3
+    pool = ctx.randn(num_slots, heads, dim, dim, scale=0.05, dtype=torch.float32)  # [slots, H, V, K]
+    order = torch.randperm(num_slots, generator=ctx.generator)[:num_sets * num_seqs]
+    slot_sets = order.view(num_sets, num_seqs).to(ctx.device)                    # distinct slots in every set
+    sets = [dict(q=ctx.randn(num_seqs, heads, dim), k=ctx.randn(num_seqs, heads, dim),
+                 v=ctx.randn(num_seqs, heads, dim), f=ctx.randn(num_seqs, heads, dim),
+                 beta=ctx.randn(num_seqs, heads)) for _ in range(num_sets)]
+    gate = _gate(ctx, heads, dim)
+    scale = dim ** -0.5
+    row = Row("kda_decode", f"N={num_seqs}", "k3core triton kda_decode", FLA_DECODE,
+              flops=float(num_seqs * heads * 8 * dim * dim), bytes=float(state_bytes),
+              notes=f"{num_sets} input sets over distinct state slots")
+    kernel = load("kernels.triton.kda_decode:kda_decode")
+    calls = [lambda s=s, slots=slots: kernel(s["q"], s["k"], s["v"], s["f"], s["beta"], gate, pool, slots, scale)
+             for s, slots in zip(sets, slot_sets)]
+    row.checks += _decode_checks(ctx, calls[0], sets[0], slot_sets[0], pool, gate, scale, "")
+    row.ours_ms = ctx.timer.time_graph(calls).ms if row.passed else None
+    row.timing = "CUDA graph, rotated inputs" if not ctx.smoke else "smoke"
+
+    row.anchor_unavailable = fla_unavailable(ctx)
+    if not row.anchor_unavailable:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # noqa: PLC0415
+        cu64 = torch.arange(num_seqs + 1, dtype=torch.int64, device=ctx.device)   # one token per sequence
+        anchor_calls = [
+            lambda s=s, slots=slots: fused_recurrent_kda_fwd(
+                q=s["q"][None], k=s["k"][None], v=s["v"][None], g=s["f"][None], beta=s["beta"][None],
+                A_log=gate.A_log, dt_bias=gate.dt_bias, scale=scale, initial_state=pool, inplace_final_state=True,
+                state_v_first=True, cu_seqlens=cu64, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)[0][0]
+            for s, slots in zip(sets, slot_sets)]
+        row.anchor_checks += _decode_checks(ctx, anchor_calls[0], sets[0], slot_sets[0], pool, gate, scale, "fla ")
+        row.anchor_ms = ctx.timer.time_graph(anchor_calls).ms
+    return row
+
+
+def _decode_checks(ctx: BenchContext, call, inputs: dict, slots: torch.Tensor, pool: torch.Tensor,
+                   gate: KdaGateParams, scale: float, who: str) -> list[Check]:
+    """One step from a saved pool: output and addressed slots against float64, other slots bit-identical; the pool
+    is restored afterwards so the timed runs start from the same values."""
+    saved = pool.clone()
+    expected = saved.double()
+    reference = load("kernels.torch.kda:kda_decode")
+    ref_out = reference(inputs["q"].double(), inputs["k"].double(), inputs["v"].double(), inputs["f"].double(),
+                        inputs["beta"].double(), _gate64(gate), expected, slots, scale)
+    poison_allocator(ctx.device, inputs["v"].numel() * inputs["v"].element_size())
+    out = call()
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    untouched[slots] = False
+    found = [check(out, ref_out, ctx.tolerance(BF16_OUTPUT_TOL), f"{who}output"),
+             check(pool[slots], expected[slots], ctx.tolerance(FP32_STATE_TOL), f"{who}addressed state slots"),
+             check(pool[untouched], saved[untouched], 0.0, f"{who}other state slots (must be untouched)")]
+    pool.copy_(saved)
+    return found

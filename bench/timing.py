@@ -1,0 +1,131 @@
+"""How the kernel benchmark times things, and the two ceilings every rate is compared against.
+
+On a GPU every time is the median of `triton.testing.do_bench` (CUDA events; it flushes L2 between runs); decode-
+sized work is captured in a CUDA graph first so launch gaps do not dominate. Under `--smoke` (CPU, Triton
+interpreter) the same calls run through a host clock: the numbers only prove that the plumbing works.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+WARMUP_MS = 25          # do_bench warm-up budget (milliseconds, not iterations)
+REP_MS = 100            # do_bench measuring budget
+MAX_INPUT_SETS = 32     # cap on rotated input sets (each costs memory and, for graphs, capture time)
+DEFAULT_L2_BYTES = 50 * 2**20   # H100/H200 L2, used when torch does not report it
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured in the same run as the kernels: what 'fraction of copy / of matmul' is a fraction of."""
+    copy_tbps: float            # device-to-device copy, (bytes read + bytes written) / time, TB/s
+    matmul_tflops: float        # square matmul in the bench dtype, TFLOP/s
+    copy_bytes: int             # size of the copied buffer (one direction)
+    matmul_n: int               # the matmul is n x n x n
+
+
+@dataclass(frozen=True)
+class Timing:
+    ms: float                   # per call
+    method: str                 # "do_bench median", "CUDA graph of 8 calls, do_bench median", "host clock (smoke)"
+
+
+class Timer:
+    """One timing policy for the whole run (device events on a GPU, a host clock in smoke runs)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.on_gpu = device.type == "cuda"
+
+    def time(self, fn: Callable[[], object]) -> Timing:
+        if not self.on_gpu:
+            return Timing(_host_median_ms(fn), "host clock (smoke: not a measurement)")
+        import triton.testing  # noqa: PLC0415  (triton only where a GPU is)
+        ms = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+        return Timing(float(ms), "do_bench median")
+
+    def time_rotating(self, calls: Sequence[Callable[[], object]]) -> Timing:
+        """Eager timing that cycles through the input sets, one set per call."""
+        state = {"i": 0}
+
+        def step() -> object:
+            state["i"] = (state["i"] + 1) % len(calls)
+            return calls[state["i"]]()
+
+        timing = self.time(step)
+        return Timing(timing.ms, f"{timing.method}, {len(calls)} rotated input sets")
+
+    def time_graph(self, calls: Sequence[Callable[[], object]]) -> Timing:
+        """Capture one CUDA graph that makes every call once (one per input set) and time its replay; the time per
+        call is the replay time over len(calls). Falls back to eager timing, saying so, where capture fails."""
+        if not self.on_gpu:
+            timing = self.time_rotating(calls)
+            return Timing(timing.ms, f"{timing.method}; no CUDA graph on the CPU")
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):            # compile / autotune / lazy init outside the capture
+                for _ in range(2):
+                    for call in calls:
+                        call()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+        except Exception as exc:  # a call that syncs with the host cannot be captured: time it eagerly instead
+            torch.cuda.synchronize(self.device)
+            timing = self.time_rotating(calls)
+            return Timing(timing.ms, f"{timing.method}; graph capture failed ({type(exc).__name__}: "
+                                     f"{str(exc)[:120]})")
+        timing = self.time(graph.replay)
+        return Timing(timing.ms / len(calls), f"CUDA graph of {len(calls)} calls (rotated inputs), do_bench median")
+
+
+def _host_median_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    fn()                                            # warm-up: interpreter setup, first-call caches
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 * 2**20
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def num_input_sets(bytes_per_call: float, device: torch.device, smoke: bool) -> int:
+    """Enough distinct input sets that one pass over them is >= 3x the L2, so no call finds its inputs cached."""
+    if smoke:
+        return 2                                    # exercise the rotation path without slowing the interpreter
+    needed = math.ceil(3 * l2_bytes(device) / max(bytes_per_call, 1.0))
+    return max(1, min(MAX_INPUT_SETS, needed))
+
+
+def measure_ceilings(timer: Timer, dtype: torch.dtype, smoke: bool) -> Ceilings:
+    """A large device-to-device copy (bytes read + written) and an n^3 matmul on random data (never zeros: a
+    matmul on zeros has been seen to run faster than on real data)."""
+    device = timer.device
+    copy_elems = (2**20 if smoke else 2**29)        # 1 GiB of bf16 on the GPU: far past L2
+    src = torch.randn(copy_elems, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timer.time(lambda: dst.copy_(src)).ms
+    copy_bytes = src.numel() * src.element_size()
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    matmul_ms = timer.time(lambda: a @ b).ms
+    del src, dst, a, b
+    return Ceilings(copy_tbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e12,
+                    matmul_tflops=2 * n**3 / (matmul_ms * 1e-3) / 1e12, copy_bytes=copy_bytes, matmul_n=n)
