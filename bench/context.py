@@ -35,8 +35,12 @@ def make_context(smoke: bool, seed: int = 0) -> BenchContext:
         device, dtype = torch.device("cpu"), torch.float32
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device is visible; run on a GPU, or pass --smoke to check the plumbing on the CPU")
+            raise SystemExit("no CUDA device is visible; run on a GPU, or pass --smoke to check the plumbing "
+                             "on the CPU")
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        # the float32 math of references and anchors must be float32, not TF32 (torch's default, pinned here)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     generator = torch.Generator().manual_seed(seed)
     return BenchContext(device, dtype, smoke, Timer(device), generator)
 

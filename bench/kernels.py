@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -160,9 +160,10 @@ def _commit() -> str:
     if os.environ.get("K3CORE_COMMIT"):
         return os.environ["K3CORE_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              check=False).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+                               text=True, timeout=10, check=False).stdout.strip()
     except Exception:
         return "unknown"
     return (head or "unknown") + ("+dirty" if head and dirty else "")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -126,6 +126,5 @@ def measure_ceilings(timer: Timer, dtype: torch.dtype, smoke: bool) -> Ceilings:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     matmul_ms = timer.time(lambda: a @ b).ms
-    del src, dst, a, b
     return Ceilings(copy_tbps=2 * copy_bytes / (copy_ms * 1e-3) / 1e12,
                     matmul_tflops=2 * n**3 / (matmul_ms * 1e-3) / 1e12, copy_bytes=copy_bytes, matmul_n=n)
