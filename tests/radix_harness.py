@@ -214,7 +214,9 @@ class Harness:
     def start(self, prompt: list[int]) -> Request:
         hit = self.cache.match(prompt)
         self.verify_hit(prompt, hit)
-        self.cache.lock(hit.node)
+        self.cache.lock(hit.node)                              # the pages this request will read
+        if hit.checkpoint is not None:
+            self.cache.pin_checkpoint(hit.node)                # the checkpoint and its partial page, until copied
         req = Request(list(prompt), hit.num_tokens, slot=-1, pages=list(hit.shared_pages), node=hit.node,
                       prompt_len=len(prompt))
         self.running.append(req)
@@ -228,6 +230,8 @@ class Harness:
             self.pool.copy_page(hit.partial_page, page)
             req.pages.append(page)
             req.own_pages.add(page)
+        if hit.checkpoint is not None:
+            self.cache.unpin_checkpoint(hit.node)
         return req
 
     def feed(self, req: Request, upto: int) -> None:

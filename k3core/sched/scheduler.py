@@ -188,13 +188,13 @@ class Scheduler:
         if hit_tokens:
             request.cache_node = hit.node
             self.pool.copy_slot(hit.checkpoint, request.working_slot)    # copy-on-write: never write the checkpoint
-            self.cache.unpin_checkpoint(hit.node)
             request.page_handles = list(hit.shared_pages)
             if hit.partial_page is not None:
                 page = self.pool.alloc_pages(1)[0]
                 self.pool.copy_page(hit.partial_page, page)
                 request.page_handles.append(page)
                 request.owned_pages.add(page)
+            self.cache.unpin_checkpoint(hit.node)          # checkpoint and partial page copied: no longer read
         else:
             self.pool.zero_slot(request.working_slot)
         request.num_computed_tokens = hit_tokens
