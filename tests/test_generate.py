@@ -64,3 +64,42 @@ def test_bad_prompts_are_refused_clearly(tiny):
         tiny.generate([[]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny.prompt_logits([tiny.config.vocab_size])
+
+
+def test_k3_format_checkpoint_with_mxfp4_experts_loads_and_generates(tmp_path):
+    """A K3 checkpoint (language_model. names, AttnRes, LatentMoE, MXFP4 routed experts) written to disk loads
+    through the same path as a real one and generates; its logits equal the network on the weights it holds."""
+    from k3core.backend import reference_ops
+    from k3core.config import ModelConfig
+    from k3core.model.checkpoint_writer import save_k3_checkpoint
+    from k3core.model.network import Network
+    from k3core.model.weights import init_random_weights
+
+    config = ModelConfig.preset("k3-tiny")
+    held = save_k3_checkpoint(init_random_weights(config, seed=21), config, tmp_path, mxfp4_experts=True, num_shards=2)
+    llm = LLM(str(tmp_path), backend="torch", device="cpu", dtype="float32")
+    assert not llm.is_random and llm.config.attn_res and llm.config.moe_latent_size == config.moe_latent_size
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = Network(config, held, reference_ops())
+    from k3core.model.batch import ScratchState, SeqWork, build_forward_batch
+    state = ScratchState(config, 1, 1, 16, torch.float32)
+    want = expected.forward(build_forward_batch([SeqWork(prompt, 0, 0, [0], "all")], 16, "cpu"), state)
+    assert torch.equal(llm.prompt_logits(prompt), want)
+    out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.token_ids[0] == int(want[-1].argmax())
+
+
+def test_generate_cli_runs_on_a_preset_and_on_a_saved_kimi_linear_checkpoint(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from k3core.generate import main
+    main(["--model", "k3-tiny", "--prompt", "hello", "--max-tokens", "4"])
+    assert capsys.readouterr().out.startswith("hello")
+    config = transformers.KimiLinearConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, num_experts=4, num_experts_per_token=2, linear_num_heads=2, linear_head_dim=16,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    transformers.KimiLinearForCausalLM(config).save_pretrained(tmp_path)
+    main(["--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "3"])
+    assert capsys.readouterr().out.startswith("hi")
