@@ -10,4 +10,4 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
 export TRITON_INTERPRET=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -52,6 +52,7 @@ PLANS = {
     "dcp4_only": ParallelPlan(dcp=4),
     "ep2": ParallelPlan(tp=2, ep=2),
     "pp2_tp2": ParallelPlan(pp=2, tp=2),
+    "dcp4_ep4": ParallelPlan(dcp=4, ep=4),
 }
 
 
@@ -69,6 +70,40 @@ def test_plan_matches_single_process(reference, name):
             error = (got - expected).abs().max().item() / expected.abs().max().item()
             assert error <= LOGIT_RTOL, f"rank {rank} of {name}: relative logit error {error:.2e}"
     assert any(logits[0] is not None for _, logits, _ in results)
+
+
+@pytest.fixture(scope="module")
+def kimi_linear_checkpoint(tmp_path_factory):
+    """A random transformers Kimi-Linear checkpoint (no AttnRes, softplus gate, SiLU, no q_lora) and its
+    single-process greedy tokens and logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.KimiLinearConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, num_experts=8, num_experts_per_token=2, linear_num_heads=2, linear_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = transformers.KimiLinearForCausalLM(config)
+    with torch.no_grad():
+        for _, tensor in model.named_parameters():
+            tensor.add_(0.02 * torch.randn_like(tensor))
+    directory = tmp_path_factory.mktemp("kimi_linear")
+    model.save_pretrained(directory)
+    single = LLM(str(directory), backend="torch", device="cpu", dtype="float32", prefix_cache=False, **ENGINE)
+    return str(directory), _generate_with_logits(single, PROMPTS, max_tokens=6)
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dcp2", "ep2"])
+def test_plan_matches_single_process_on_a_kimi_linear_checkpoint(kimi_linear_checkpoint, name):
+    directory, (ref_tokens, ref_logits) = kimi_linear_checkpoint
+    for rank, (tokens, logits, bytes_in_use) in enumerate(spawn(_rank_main, PLANS[name], args=(directory, False))):
+        assert tokens == ref_tokens, f"rank {rank} of {name} generated other tokens"
+        assert bytes_in_use == 0
+        for got, expected in zip(logits, ref_logits):
+            if got is not None:
+                error = (got - expected).abs().max().item() / expected.abs().max().item()
+                assert error <= LOGIT_RTOL, f"rank {rank} of {name}: relative logit error {error:.2e}"
 
 
 def _leader_follower_main(rank: int, plan: ParallelPlan, device, abort_at_step: int):

@@ -28,9 +28,11 @@ class MoeMlp:
                  expert_offset: int = 0):
         w = lambda name: weights[prefix + name]  # noqa: E731
         self.config = config
-        # Under a parallel plan the routed experts of this rank give a partial sum (its experts under EP, its slice
-        # of every expert's width under TP), reduced BEFORE the latent norm: the norm of a sum is not a sum of norms.
-        self.reduce_routed = (comm.ep if comm.plan.ep > 1 else comm.tp).all_reduce if comm else None
+        # Under TP the routed experts of this rank give a partial sum (its slice of every expert's width), reduced
+        # BEFORE the latent norm: the norm of a sum is not a sum of norms. Under EP the tokens are dispatched to the
+        # ranks that hold their experts and the results combined back (k3core.parallel.expert_dispatch).
+        self.ep_group = comm.ep if comm is not None and comm.plan.ep > 1 else None
+        self.reduce_routed = comm.tp.all_reduce if comm is not None and self.ep_group is None else None
         self.reduce_shared = comm.tp.all_reduce if comm else None
         self.expert_offset = expert_offset
         self.w_router = w("gate.weight").float()                                       # [E, H]
@@ -50,8 +52,12 @@ class MoeMlp:
         route = ops.moe_route(logits, self.correction_bias, c.num_experts_per_token, c.router_scoring,
                               c.moe_renormalize, c.routed_scaling_factor)
         z = F.linear(x, self.w_latent_down) if self.w_latent_down is not None else x     # [T, De]
-        y = ops.moe_experts(z, self.w13, self.w2, route.weights, route.expert_ids, c.activation, c.situ_beta,
-                            c.situ_linear_beta, self.expert_offset)
+        if self.ep_group is not None:
+            from k3core.parallel.expert_dispatch import dispatch_experts
+            y = dispatch_experts(ops, self.ep_group, z, route, self.w13, self.w2, self.expert_offset, c)
+        else:
+            y = ops.moe_experts(z, self.w13, self.w2, route.weights, route.expert_ids, c.activation, c.situ_beta,
+                                c.situ_linear_beta, self.expert_offset)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         if self.w_latent_norm is not None:

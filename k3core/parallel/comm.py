@@ -47,6 +47,21 @@ class _Group:
         dist.all_gather(parts, x, group=self.handle)
         return parts
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Send rows x[sum(send_counts[:j]) : ...] to member j; returns the rows received (in member order) and
+        how many came from each member."""
+        if self.size == 1:
+            return x, list(send_counts)
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=x.device)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.handle)
+        recv_counts = [int(c) for c in received.tolist()]
+        wire = x.float() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else x.contiguous()  # gloo: no bf16
+        out = wire.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, wire, output_split_sizes=recv_counts, input_split_sizes=list(send_counts),
+                               group=self.handle)
+        return out.to(x.dtype), recv_counts
+
     def all_gather_varlen(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Like all_gather, but dim 0 may differ between members."""
         if self.size == 1:

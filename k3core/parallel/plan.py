@@ -7,8 +7,9 @@ ranks work together:
 * DCP (`dcp`): MLA KV is split by token position (token i on DCP rank i mod dcp); every rank computes partial
   attention over its tokens with the LSE and one exchange merges the partials exactly. The DCP group is built
   inside the stage, so with dcp == tp (the launch write-up's DCP8 inside TP8) it is the same ranks as TP.
-* EP (`ep`, 1 or stage_size): the routed experts are split over the stage; each rank runs its experts on the
-  (replicated) tokens routed to them and an all-reduce combines.
+* EP (`ep`, 1 or stage_size): the routed experts are split over the stage; each rank sends its slice of the
+  tokens to the ranks holding their chosen experts and gets the weighted results back (all-to-all dispatch and
+  combine, `k3core.parallel.expert_dispatch`), then an all-gather rebuilds the token set.
 
 Rank r of a stage has tp_rank = r % tp (TP group: the tp consecutive ranks containing r) and dcp_rank = r % dcp
 (DCP group: the dcp consecutive ranks containing r). Global rank = stage * stage_size + r.
@@ -154,7 +155,8 @@ class ParallelPlan:
             "mla.decode_attention": "all_gather(dcp) of (partial output, lse) then exact LSE merge",
             "mla.prefill_keys": "all_gather(dcp) of each rank's cached latents",
             "mlp.down_proj": "all_reduce(tp)",
-            "moe.routed_experts": "all_reduce(ep or tp) before the latent norm",
+            "moe.routed_experts": "TP: all_reduce(tp) before the latent norm; EP: all_to_all dispatch + combine, "
+                                  "all_gather(ep)",
             "moe.shared_experts": "all_reduce(tp)",
             "stage.output": "send/recv(pp) of the residual stream (and the AttnRes bank)",
             "sample": "broadcast from the last stage",
