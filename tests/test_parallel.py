@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_helpers import save_kimi_linear
 from k3core import LLM, SamplingParams
 from k3core.parallel.launch import spawn
 from k3core.parallel.plan import ParallelPlan
@@ -76,20 +77,7 @@ def test_plan_matches_single_process(reference, name):
 def kimi_linear_checkpoint(tmp_path_factory):
     """A random transformers Kimi-Linear checkpoint (no AttnRes, softplus gate, SiLU, no q_lora) and its
     single-process greedy tokens and logits."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.KimiLinearConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, num_experts=8, num_experts_per_token=2, linear_num_heads=2, linear_head_dim=16,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = transformers.KimiLinearForCausalLM(config)
-    with torch.no_grad():
-        for _, tensor in model.named_parameters():
-            tensor.add_(0.02 * torch.randn_like(tensor))
-    directory = tmp_path_factory.mktemp("kimi_linear")
-    model.save_pretrained(directory)
+    directory = save_kimi_linear(tmp_path_factory.mktemp("kimi_linear"), seed=0, vocab_size=300)
     single = LLM(str(directory), backend="torch", device="cpu", dtype="float32", prefix_cache=False, **ENGINE)
     return str(directory), _generate_with_logits(single, PROMPTS, max_tokens=6)
 
