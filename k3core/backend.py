@@ -14,6 +14,7 @@ so `import k3core` never imports triton or a vendor library.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from k3core.config import ModelConfig
 from k3core.ops import OP_NAMES, OPS
 
 BACKENDS = ("torch", "cuda", "rocm")
+log = logging.getLogger("k3core.backend")
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,11 @@ def select_ops(backend: str, spec: OpSpec, fallback_to_reference: bool = True) -
             raise NoProviderError(f"no provider of backend {backend!r} can serve op {op!r} ({detail})")
         choices[op] = OpChoice(op, chosen.name, tuple(rejected))
         functions[op] = chosen.load()
+    fallen_back = [op for op, choice in choices.items() if backend != "torch" and choice.provider.startswith("torch.")]
+    if fallen_back:
+        log.warning("backend %s: no %s provider can serve %s; the torch reference runs instead "
+                    "(`python -m k3core.backends --backend %s` lists every rejection and its reason)",
+                    backend, backend, ", ".join(fallen_back), backend)
     return OpTable(backend, choices, functions)
 
 

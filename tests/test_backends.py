@@ -157,3 +157,18 @@ def test_graph_capture_on_cpu_says_why():
 def test_device_facts_on_cpu_is_none():
     from backends.common import device_facts
     assert (device_facts() is None) == (not torch.cuda.is_available())
+
+
+def test_falling_back_to_a_reference_is_said_out_loud(caplog):
+    """A vendor backend that cannot serve an op runs the torch reference under the reference's own name and warns."""
+    import logging
+
+    import torch
+
+    from k3core.backend import OpSpec, select_ops
+    from k3core.config import ModelConfig
+    spec = OpSpec(ModelConfig.preset("k3-tiny"), torch.bfloat16, torch.device("cpu"))   # bf16: never interpreted
+    with caplog.at_level(logging.WARNING, logger="k3core.backend"):
+        table = select_ops("cuda", spec)
+    assert table.choices["kda_prefill"].provider == "torch.kda_prefill"
+    assert any("torch reference runs instead" in r.message and "kda_prefill" in r.message for r in caplog.records)
