@@ -58,7 +58,7 @@ def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
 def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       slot_ids: torch.Tensor) -> torch.Tensor:
     """x [B, C] (one token per sequence) -> y [B, C]; conv_state[slot_ids] slides by one in place (no host sync)."""
-    kernel = _check(x, weight, conv_state)
+    _check(x, weight, conv_state)
     dtype = compute_dtype(x, weight)
     window = torch.cat([conv_state[slot_ids].to(dtype), x.to(dtype)[:, None, :]], dim=1)  # [B, K_conv, C]
     y = F.silu(torch.einsum("bjc,cj->bc", window, weight.to(dtype)))
