@@ -143,8 +143,10 @@ def test_pipeline_toy_matches_the_write_up():
     assert utilisation(8, 64) > utilisation(8, 16) > utilisation(8, 5)
 
 
-def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path):
-    """`python -m k3core.serve --tp 2` starts the second rank itself and serves the same greedy text."""
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path, nodes):
+    """`python -m k3core.serve --tp 2` starts the second rank itself (one node), or a second "node" process joins
+    through --nnodes/--node-rank/--dist-init-addr; either way it serves the one-process greedy text."""
     import subprocess
     import sys
     import time
@@ -154,8 +156,12 @@ def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path):
     from k3core.parallel.launch import free_port
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "k3core.serve", "--tp", "2", "--memory-bytes", str(64 << 20),
-                               "--port", str(port), "--cpu-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    common = [sys.executable, "-m", "k3core.serve", "--tp", "2", "--memory-bytes", str(64 << 20), "--cpu-threads", "1"]
+    if nodes == 2:
+        common += ["--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+        node1 = subprocess.Popen(common + ["--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)
+        common += ["--node-rank", "0"]
+    server = subprocess.Popen(common + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -171,6 +177,8 @@ def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+        if nodes == 2:
+            node1.wait(timeout=30)           # the follower node leaves on its own once the leader is gone
     single = LLM("k3-tiny", seed=0, prefix_cache=False, memory_bytes=64 << 20)
     expected = single.generate([[5, 17, 2, 99]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
     assert reply["choices"][0]["text"] == expected.text

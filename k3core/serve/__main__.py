@@ -20,9 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("binding to %s without --api-key: anyone who can reach this address can use the server",
                     args.host)
-    log.info("device %s, dtype %s, backend %s; listening on http://%s:%d (health: /health turns 200 after "
-             "the warm-up request)", args.resolved_device(), args.resolved_dtype(), args.backend, args.host,
-             args.port)
+    if args.node_rank == 0:
+        log.info("device %s, dtype %s, backend %s; listening on http://%s:%d (health: /health turns 200 after "
+                 "the warm-up request)", args.resolved_device(), args.resolved_dtype(), args.backend, args.host,
+                 args.port)
+    else:
+        log.info("node %d of %d: running follower ranks only; node 0 serves HTTP", args.node_rank, args.nnodes)
     from k3core.serve.launch import build_server
     server = build_server(args)
     server.run()
