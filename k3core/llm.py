@@ -16,7 +16,7 @@ import torch
 
 from k3core.backend import OpSpec, select_ops
 from k3core.config import ModelConfig, list_presets, load_config
-from k3core.model.batch import ScratchState, SeqWork, build_forward_batch
+from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.network import Network
 from k3core.sampling_params import SamplingParams
 
@@ -44,6 +44,22 @@ class CompletionOutput:
     finish_reason: str                 # "stop" | "length" | "abort"
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+
+
+def scratch_forward(config: ModelConfig, token_ids: Sequence[int], dtype: torch.dtype, device: torch.device):
+    """(batch, state) for one full-sequence forward from an empty state, all logits wanted: a pool sized for
+    exactly one slot and this prompt's pages (so a one-off forward never touches the engine's pool)."""
+    from k3core.memory import PoolLayout, UnifiedPool
+    page_size = 16
+    layout = PoolLayout.from_config(config, page_size=page_size, kv_dtype=dtype, conv_dtype=dtype)
+    num_pages = -(-len(token_ids) // page_size)
+    slot_in_pages = -(-layout.slot_bytes // layout.page_bytes)        # the arena is a whole number of pages
+    pool = UnifiedPool(layout, (slot_in_pages + num_pages) * layout.page_bytes, device=device)
+    slot, pages = pool.alloc_slot(), pool.alloc_pages(num_pages)
+    pool.zero_slot(slot)
+    work = SeqWork(token_ids, prefix_len=0, slot_position=pool.slot_position(slot),
+                   page_positions=pool.page_positions(pages).tolist(), want_logits="all")
+    return build_forward_batch([work], page_size, device), pool
 
 
 class LLM:
@@ -96,12 +112,7 @@ class LLM:
         if not self.plan.is_single:
             raise ValueError("prompt_logits runs the whole model on one device; under a parallel plan use generate")
         token_ids = self._check_prompt(token_ids)
-        page_size = 16
-        num_pages = -(-len(token_ids) // page_size)
-        state = ScratchState(self.config, num_slots=1, num_pages=num_pages, page_size=page_size,
-                             kv_dtype=self.kv_dtype, device=self.device)
-        work = SeqWork(token_ids, prefix_len=0, slot_position=0, page_positions=range(num_pages), want_logits="all")
-        return self.network.forward(build_forward_batch([work], page_size, self.device), state)
+        return self.network.forward(*scratch_forward(self.config, token_ids, self.dtype, self.device))
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str],

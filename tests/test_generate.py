@@ -81,9 +81,8 @@ def test_k3_format_checkpoint_with_mxfp4_experts_loads_and_generates(tmp_path):
     assert not llm.is_random and llm.config.attn_res and llm.config.moe_latent_size == config.moe_latent_size
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = Network(config, held, reference_ops())
-    from k3core.model.batch import ScratchState, SeqWork, build_forward_batch
-    state = ScratchState(config, 1, 1, 16, torch.float32)
-    want = expected.forward(build_forward_batch([SeqWork(prompt, 0, 0, [0], "all")], 16, "cpu"), state)
+    from k3core.llm import scratch_forward
+    want = expected.forward(*scratch_forward(config, prompt, torch.float32, torch.device("cpu")))
     assert torch.equal(llm.prompt_logits(prompt), want)
     out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.token_ids[0] == int(want[-1].argmax())

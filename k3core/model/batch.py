@@ -13,7 +13,7 @@ import torch
 
 
 class StateViews(Protocol):
-    """Per-layer views of the sequence state (the unified pool implements this; so does ScratchState)."""
+    """Per-layer views of the sequence state (the unified pool implements this)."""
 
     def kda_state(self, kda_layer: int) -> torch.Tensor: ...     # [num_slot_positions, H, V, K] float32
     def conv_state(self, kda_layer: int) -> torch.Tensor: ...    # [num_slot_positions, K_conv - 1, C]
@@ -152,29 +152,3 @@ def _dcp_key_order(seq_lens: list[int], dcp_size: int) -> torch.Tensor:
         seq_base = torch.tensor([rank_base[r] + sum(local[r][:b]) for r in range(dcp_size)])
         parts.append(seq_base[owner] + pos // dcp_size)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-
-class ScratchState:
-    """Dense per-layer state for a fixed number of slots and pages: for one-off forwards and tests that do not need
-    the unified pool (e.g. `LLM.prompt_logits`). Slot i and page j are simply positions i and j."""
-
-    def __init__(self, config, num_slots: int, num_pages: int, page_size: int, kv_dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        conv_channels = 3 * config.kda_proj_size
-        window = config.conv_kernel_size - 1
-        num_kda, num_mla = len(config.kda_layer_ids), len(config.mla_layer_ids)
-        self._kda = [torch.zeros(num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim,
-                                 dtype=torch.float32, device=device) for _ in range(num_kda)]
-        self._conv = [torch.zeros(num_slots, window, conv_channels, dtype=kv_dtype, device=device)
-                      for _ in range(num_kda)]
-        self._mla = [torch.zeros(num_pages, page_size, config.mla_latent_width, dtype=kv_dtype, device=device)
-                     for _ in range(num_mla)]
-
-    def kda_state(self, kda_layer: int) -> torch.Tensor:
-        return self._kda[kda_layer]
-
-    def conv_state(self, kda_layer: int) -> torch.Tensor:
-        return self._conv[kda_layer]
-
-    def mla_kv(self, mla_layer: int) -> torch.Tensor:
-        return self._mla[mla_layer]
