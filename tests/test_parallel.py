@@ -143,10 +143,10 @@ def test_pipeline_toy_matches_the_write_up():
     assert utilisation(8, 64) > utilisation(8, 16) > utilisation(8, 5)
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("nodes", [1, 2, "torchrun"])
 def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path, nodes):
     """`python -m k3core.serve --tp 2` starts the second rank itself (one node), or a second "node" process joins
-    through --nnodes/--node-rank/--dist-init-addr; either way it serves the one-process greedy text."""
+    through --nnodes/--node-rank/--dist-init-addr, or torchrun starts both; each serves the one-process text."""
     import subprocess
     import sys
     import time
@@ -157,6 +157,9 @@ def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path, nodes):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     common = [sys.executable, "-m", "k3core.serve", "--tp", "2", "--memory-bytes", str(64 << 20), "--cpu-threads", "1"]
+    if nodes == "torchrun":
+        common[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                       "-m", "k3core.serve"]
     if nodes == 2:
         common += ["--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
         node1 = subprocess.Popen(common + ["--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)

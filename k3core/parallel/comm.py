@@ -80,7 +80,6 @@ class Communicator:
     tp: _Group
     dcp: _Group
     ep: _Group
-    world: Any = None
 
     @property
     def coords(self):
@@ -100,10 +99,6 @@ class Communicator:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
-
-    def barrier(self) -> None:
-        if self.plan.world_size > 1:
-            dist.barrier()
 
 
 def _single_group(rank: int = 0) -> _Group:

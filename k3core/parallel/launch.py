@@ -2,8 +2,9 @@
 
 `spawn(fn, plan, args)` starts `plan.world_size` local processes, initialises torch.distributed in each (NCCL on
 CUDA/ROCm devices, gloo on the CPU), calls `fn(rank, plan, *args)` and returns every rank's result in rank
-order. Under torchrun (or any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR), `init_from_env()` joins the
-existing world instead; multi-node runs use `--nnodes/--node-rank/--dist-init-addr` like SGLang.
+order. Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set), `torchrun_rank()` says which rank this
+process is and the server joins that world instead of spawning; multi-node runs otherwise use
+`--nnodes/--node-rank/--dist-init-addr` like SGLang.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from k3core.parallel.plan import ParallelPlan
 
 @dataclass(frozen=True)
 class DistSetup:
-    init_addr: str                 # host:port of rank 0
+    init_addr: str                 # host:port of rank 0, or "env://" under torchrun
     nnodes: int = 1
     node_rank: int = 0
     device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL / RCCL)
@@ -42,15 +43,19 @@ def init_rank(rank: int, world_size: int, setup: DistSetup) -> torch.device:
         local = rank % max(torch.cuda.device_count(), 1)
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    dist.init_process_group(backend, init_method=f"tcp://{setup.init_addr}", rank=rank, world_size=world_size)
+    # torchrun's workers join the store its agent already serves (env://); our own launches start one (tcp://).
+    init_method = setup.init_addr if setup.init_addr == "env://" else f"tcp://{setup.init_addr}"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return device
 
 
-def init_from_env(device: str = "cpu") -> tuple[int, int, torch.device]:
-    """Join a world set up by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    return rank, world, init_rank(rank, world, DistSetup(addr, device=device))
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (or any launcher that sets RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT for an env:// rendezvous), else None."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in os.environ for name in names):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def _worker(rank: int, fn: Callable, plan: ParallelPlan, setup: DistSetup, args: tuple, results) -> None:

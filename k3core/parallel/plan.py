@@ -172,4 +172,11 @@ class ParallelPlan:
         if "moe" in config.mlp_types:
             lines.append(f"  routed experts per rank: {config.num_experts // self.ep}"
                          + ("" if self.ep > 1 else f" (each 1/{self.tp} of its intermediate width)"))
+        ops = ["kda.o_proj", "mla.o_proj", "mlp.down_proj", "moe.routed_experts", "moe.shared_experts"]
+        if self.dcp > 1:
+            ops += ["mla.prefill_keys", "mla.decode_attention"]
+        if self.pp > 1:
+            ops.append("stage.output")
+        if not self.is_single:
+            lines += [f"  after {op}: {self.collective_after(op)}" for op in ops + ["sample"]]
         return "\n".join(lines)

@@ -68,12 +68,21 @@ def build_server(args: ServerArgs) -> Server:
     metrics = ServerMetrics(args.model_name)
     build = lambda: _build_llm(args)  # noqa: E731
     if args.plan().world_size > 1:
-        from k3core.serve.ranks import build_leader_llm, dist_setup, run_follower_node, start_local_ranks
-        setup = dist_setup(args)
-        start_local_ranks(args, setup)
-        if args.node_rank != 0:            # no HTTP here: this process is one more follower rank
-            run_follower_node(args, setup)
-            raise SystemExit(0)
+        from k3core.parallel.launch import torchrun_rank
+        from k3core.serve.ranks import (build_leader_llm, dist_setup, run_follower, run_follower_node,
+                                        start_local_ranks, torchrun_setup)
+        launched = torchrun_rank()
+        if launched is not None:           # torchrun started every rank: join its world, spawn nothing
+            rank, setup = torchrun_setup(args, launched)
+            if rank != 0:
+                run_follower(args, rank, setup)
+                raise SystemExit(0)
+        else:
+            setup = dist_setup(args)
+            start_local_ranks(args, setup)
+            if args.node_rank != 0:        # no HTTP here: this process is one more follower rank
+                run_follower_node(args, setup)
+                raise SystemExit(0)
         build = lambda: build_leader_llm(args, setup)  # noqa: E731
     engine = EngineThread(build, metrics, context_length=args.context_length)
     app = create_app(args, engine, metrics)

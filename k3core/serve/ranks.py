@@ -39,8 +39,12 @@ def build_rank_llm(args: ServerArgs, rank: int, setup: DistSetup):
 
 
 def _follower_main(args: ServerArgs, local_rank: int, setup: DistSetup) -> None:
+    run_follower(args, global_rank(args, local_rank), setup)
+
+
+def run_follower(args: ServerArgs, rank: int, setup: DistSetup) -> None:
+    """Build this rank's shard and mirror the leader's engine until it shuts down (or goes away)."""
     from k3core.parallel.distributed_engine import follow
-    rank = global_rank(args, local_rank)
     llm = build_rank_llm(args, rank, setup)
     log.info("rank %d following rank 0", rank)
     try:
@@ -71,3 +75,13 @@ def build_leader_llm(args: ServerArgs, setup: DistSetup):
 def run_follower_node(args: ServerArgs, setup: DistSetup) -> None:
     """On a node other than node 0, the first local rank follows too (the HTTP server lives on node 0)."""
     _follower_main(args, 0, setup)
+
+
+def torchrun_setup(args: ServerArgs, launched: tuple[int, int]) -> tuple[int, DistSetup]:
+    """This process's rank and the world torchrun set up; the plan must use exactly that many ranks."""
+    rank, world_size = launched
+    if world_size != args.plan().world_size:
+        raise SystemExit(f"torchrun started {world_size} processes but the plan needs {args.plan().world_size} "
+                         "(tp x pp x ... as max(tp, dcp) x pp); make --nproc-per-node x --nnodes match it")
+    device = "cpu" if args.resolved_device() == "cpu" else "cuda"
+    return rank, DistSetup("env://", device=device)
