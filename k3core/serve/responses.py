@@ -51,13 +51,17 @@ def completion_body(gen: Generation, model: str) -> dict[str, Any]:
             "choices": choices, "usage": gen.usage().body()}
 
 
-def completion_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
-                     usage: Usage | None = None) -> dict[str, Any]:
-    body = {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": model,
-            "choices": choices}
-    if gen.include_usage:
+def _stream_chunk(kind: str, gen: Generation, model: str, choices: list[dict[str, Any]],
+                  usage: Usage | None) -> dict[str, Any]:
+    body = {"id": gen.request_id, "object": kind, "created": gen.created, "model": model, "choices": choices}
+    if gen.include_usage:                     # every chunk carries the key; only the last one a value
         body["usage"] = usage.body() if usage is not None else None
     return body
+
+
+def completion_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
+                     usage: Usage | None = None) -> dict[str, Any]:
+    return _stream_chunk("text_completion", gen, model, choices, usage)
 
 
 # ---- chat -----------------------------------------------------------------------------------------
@@ -90,11 +94,7 @@ def chat_body(gen: Generation, model: str) -> dict[str, Any]:
 
 def chat_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
                usage: Usage | None = None) -> dict[str, Any]:
-    body = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created, "model": model,
-            "choices": choices}
-    if gen.include_usage:
-        body["usage"] = usage.body() if usage is not None else None
-    return body
+    return _stream_chunk("chat.completion.chunk", gen, model, choices, usage)
 
 
 def chat_choice_delta(gen: Generation, choice: Choice, delta: dict[str, Any], token_ids: list[int],
