@@ -142,7 +142,7 @@ class Engine:
                 new_token_ids=request.all_token_ids[start: start + chunk.num_tokens],
                 prefix_len=start,
                 slot_position=pool.slot_position(request.working_slot),
-                page_positions=pool.page_positions(request.page_handles).tolist(),
+                page_positions=pool.page_positions(request.page_handles),
                 want_logits="last" if chunk.samples else "none"))
         logits = self.runner.forward(work, pool)                                       # [R, V] or None
         sampled = [c for c in chunks if c.samples]

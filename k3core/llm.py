@@ -58,7 +58,7 @@ def scratch_forward(config: ModelConfig, token_ids: Sequence[int], dtype: torch.
     slot, pages = pool.alloc_slot(), pool.alloc_pages(num_pages)
     pool.zero_slot(slot)
     work = SeqWork(token_ids, prefix_len=0, slot_position=pool.slot_position(slot),
-                   page_positions=pool.page_positions(pages).tolist(), want_logits="all")
+                   page_positions=pool.page_positions(pages), want_logits="all")
     return build_forward_batch([work], page_size, device), pool
 
 

@@ -26,7 +26,7 @@ class SeqWork:
     new_token_ids: Sequence[int]
     prefix_len: int                  # tokens already in the KDA slot and the MLA pages
     slot_position: int               # KDA slot position (pool index)
-    page_positions: Sequence[int]    # MLA page positions covering prefix_len + len(new_token_ids) tokens
+    page_positions: Sequence[int] | torch.Tensor   # MLA page positions covering prefix_len + new tokens
     want_logits: str = "last"        # "last" | "all" | "none"
 
 
@@ -88,7 +88,7 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
         seq_lens.append(total)
         local_lens.append(max(0, (total - dcp_rank + dcp_size - 1) // dcp_size))
         slots.append(item.slot_position)
-        pages = torch.as_tensor(list(item.page_positions), dtype=torch.int64)
+        pages = torch.as_tensor(item.page_positions).to(torch.int64)                 # list or tensor
         table[b, : len(pages)] = pages
         new_pos = torch.arange(item.prefix_len, total)                      # [num_new]
         mine = new_pos % dcp_size == dcp_rank
