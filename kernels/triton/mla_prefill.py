@@ -125,7 +125,7 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
         return out
     # the grid needs the longest query run; one small device->host copy per call
     max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    config = mla_prefill_config(q.device, head_dim_qk)
+    config = mla_prefill_config(q.device, head_dim_qk, q.element_size())
     head_part, tail_block = split_head_dim(head_dim_qk)
     grid = (triton.cdiv(max_q_len, config.block_m), num_seqs, num_heads)
     _mla_prefill_kernel[grid](
