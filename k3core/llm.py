@@ -62,6 +62,14 @@ def scratch_forward(config: ModelConfig, token_ids: Sequence[int], dtype: torch.
     return build_forward_batch([work], page_size, device), pool
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A shard that is a view into the full tensor (a row slice, already on the right device) would keep the whole
+    tensor alive: copy it out."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 class LLM:
     def __init__(self, model: str = "k3-tiny", backend: str = "torch", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", seed: int = 0, plan: "ParallelPlan | None" = None,
@@ -78,9 +86,12 @@ class LLM:
         self.plan = plan or ParallelPlan()
         self.plan.check(self.config)
         self.rank = rank
-        # Under a plan the full weights are built on the host, sharded, and only this rank's part moves.
-        build_device = self.device if self.plan.is_single else torch.device("cpu")
         self.is_random = str(model) in list_presets() or Path(str(model)).suffix in (".yaml", ".yml")
+        # Random preset weights are drawn on this rank's device, whatever the plan, so every rank draws the numbers a
+        # single-device run of the same seed draws (CPU and CUDA generators differ), and a GPU rank never builds the
+        # whole model in host memory. A checkpoint under a plan is read to the host, sharded, and only this rank's
+        # part moves.
+        build_device = self.device if (self.plan.is_single or self.is_random) else torch.device("cpu")
         if self.is_random:
             from k3core.model.weights import init_random_weights
             weights = init_random_weights(self.config, seed=seed, dtype=self.dtype, device=build_device)
@@ -95,7 +106,9 @@ class LLM:
         else:
             self.comm = build_communicator(self.plan, rank)
             local = shard_model(self.config, weights, self.plan, rank)
-            self.weights = {name: t.to(self.device) for name, t in local.weights.items()}
+            self.weights = {name: _own_storage(t.to(self.device)) for name, t in local.weights.items()}
+            local.weights.clear()
+            del weights                          # the unsharded tensors go now, not when the LLM does
             self.network = Network(local.config, self.weights, self.ops, self.comm, local.layer_ids,
                                    local.expert_offset)
         from k3core.tokenizer import load_tokenizer

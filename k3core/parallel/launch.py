@@ -9,6 +9,7 @@ process is and the server joins that world instead of spawning; multi-node runs 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ def _worker(rank: int, fn: Callable, plan: ParallelPlan, setup: DistSetup, args:
     try:
         torch.set_num_threads(1)          # several ranks share a few CPU cores
         device = init_rank(global_rank, plan.world_size, setup)
-        results.put((global_rank, "ok", fn(global_rank, plan, device, *args)))
+        # pickled here, by value: a tensor sent through the queue as itself travels as a shared-memory handle that
+        # dies with this process, which may exit before the parent reads it
+        results.put((global_rank, "ok", pickle.dumps(fn(global_rank, plan, device, *args))))
     except BaseException:                 # report every failure to the parent instead of hanging it
         results.put((global_rank, "error", traceback.format_exc()))
     finally:
@@ -90,7 +93,7 @@ def spawn(fn: Callable[..., Any], plan: ParallelPlan, args: tuple = (), setup: D
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for process in processes:
             process.join(timeout=5 if errors else 60)

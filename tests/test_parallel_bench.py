@@ -1,0 +1,28 @@
+"""The parallel benchmark's plumbing (bench/parallel_bench.py) on CPU processes over gloo: the GPU run is one device
+call, so a crash in its bookkeeping must show up here first."""
+from __future__ import annotations
+
+import json
+
+from bench import parallel_bench
+
+
+def test_parallel_bench_smoke_gates_on_correctness_and_reports_every_plan(tmp_path):
+    assert parallel_bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "parallel-smoke.json").read_text())
+    correctness = report["correctness"]
+    assert correctness["all_passed"]
+    assert {key.split()[0] for key in correctness["plans"]} == {"tp2", "pp2"}
+    for row in correctness["plans"].values():
+        assert row["tokens_identical"] and row["leaked_bytes"] == 0
+    plans = report["speed"]["plans"]
+    assert set(plans) == {"1gpu", "tp2", "pp2"}
+    for name, row in plans.items():
+        assert "error" not in row, row.get("error")
+        assert row["decode_batch"] == parallel_bench.SMOKE["decode_batch"], f"{name}: requests were retracted"
+        assert row["decode_tok_s"] > 0 and row["prefill_64_tok_s"] > 0
+    # DCP is not in the smoke run; PP halves the layers, so the MLA KV per token per rank halves
+    assert plans["pp2"]["kv_bytes_per_token"] < plans["1gpu"]["kv_bytes_per_token"]
+    assert "exposed_comm_ms_per_1k_prefill_tokens" in plans["tp2"]
+    markdown = (tmp_path / "parallel-smoke.md").read_text()
+    assert "| tp2 | float32 | True |" in markdown
