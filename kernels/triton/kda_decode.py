@@ -12,7 +12,8 @@ import triton.language as tl
 
 from k3core.ops import KdaGateParams
 from kernels.triton.kda_gate import gate_form_id, gate_log_decay, gate_tensors
-from kernels.triton.tuning import kernel_config, pow2_at_least
+from kernels.triton.tuning import pow2_at_least
+from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config
 
 
 @triton.jit
@@ -51,8 +52,10 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_
 
 
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
-               gate: KdaGateParams, state: torch.Tensor, slot_ids: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k, f [B, H, K], v [B, H, V], beta_logits [B, H] -> o [B, H, V] (dtype of v); no host sync."""
+               gate: KdaGateParams, state: torch.Tensor, slot_ids: torch.Tensor, scale: float,
+               config: KdaDecodeConfig | None = None) -> torch.Tensor:
+    """q, k, f [B, H, K], v [B, H, V], beta_logits [B, H] -> o [B, H, V] (dtype of v); no host sync. `config`
+    defaults to the tuning table's entry for this target and batch (the tuning sweep passes its own)."""
     num_seqs, num_heads, k_dim = q.shape
     v_dim = v.shape[-1]
     if tuple(state.shape[1:]) != (num_heads, v_dim, k_dim) or state.dtype != torch.float32 \
@@ -68,12 +71,14 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     if num_seqs == 0:
         return output
     q, k, v, f, beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
-    cfg = kernel_config("kda_decode")
+    config = config or kda_decode_config(q.device, num_seqs)
+    if config.block_v < 1 or config.block_v & (config.block_v - 1):
+        raise ValueError(f"kda_decode: block_v must be a power of two, got {config.block_v}")
     block_k = pow2_at_least(k_dim)
-    block_v = min(pow2_at_least(cfg.block_v), pow2_at_least(v_dim))
+    block_v = min(config.block_v, pow2_at_least(v_dim, floor=1))     # no tl.dot here: any power of two works
     grid = (triton.cdiv(v_dim, block_v), num_heads, num_seqs)
     _kda_decode_kernel[grid](q, k, v, f, beta_logits, a_log, dt_bias, state, state.stride(0),
                              slot_ids.to(device=q.device, dtype=torch.int64), output, float(scale),
                              float(gate.lower_bound), H=num_heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
-                             FORM=form, num_warps=cfg.num_warps)
+                             FORM=form, num_warps=config.num_warps)
     return output

@@ -4,7 +4,14 @@ Stage 1: program (request b, head block, split s) reads the cache entries of its
 heads (all heads share the latent KV), keeps an online softmax, and writes a float32 partial output and its
 natural-log LSE. Each latent entry is split at v_dim: its first v_dim columns serve both as the key's head part and as
 the value (one load, two tl.dot), the remaining D_latent - v_dim (the rope part) only enter the scores.
-Stage 2: one program per (request, head) merges the active splits of the request by their LSE.
+Stage 2: programs (request, head, value block) merge the active splits of the request by their LSE, MERGE_S
+splits per step so that a long context's hundreds of splits are not read one dependent load at a time.
+
+Two ways to address a tile of BLOCK_N entries (`MlaDecodeConfig.tiles`):
+- "page" (BLOCK_N divides page_size): a tile lies inside one page, so one page id is loaded per tile (prefetched a
+  tile ahead) and the tile is BLOCK_N consecutive rows from one base; whole tiles load without a row mask and only
+  the split's last partial tile is masked.
+- "gather" (any page size): one page id per entry, every row addressed on its own.
 
 The split length is chosen from the page table's capacity (max_pages * page_size), not from seq_lens, so there is
 no device->host sync and the launch can be captured in a graph; splits past a request's length exit at once. Size
@@ -19,9 +26,41 @@ import triton
 import triton.language as tl
 
 from k3core.ops import MlaDecodeOut
-from kernels.triton.tuning_ops import AttentionConfig, compute_units, mla_decode_config
+from kernels.triton.tuning_ops import (
+    MLA_DECODE_TILES,
+    MlaDecodeConfig,
+    compute_units,
+    mla_decode_config,
+)
 
 LN2 = math.log(2.0)
+
+
+@triton.jit
+def _attend_tile(q_value_part, q_rope_part, rows, row_mask, cols_v, v_mask, cols_rope, rope_mask,
+                 running_max, denominator, acc, scale_log2, HAS_ROPE: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """One online-softmax step over the entries whose row pointers are `rows` [BLOCK_N]."""
+    if MASK_ROWS:
+        value_mask = row_mask[:, None] & v_mask[None, :]
+        rope_tile_mask = row_mask[:, None] & rope_mask[None, :]
+    else:
+        value_mask = v_mask[None, :]
+        rope_tile_mask = rope_mask[None, :]
+    kv_value_part = tl.load(rows[:, None] + cols_v[None, :], mask=value_mask, other=0.0)     # [BLOCK_N, BLOCK_V]
+    scores = tl.dot(q_value_part, tl.trans(kv_value_part), input_precision="ieee")           # [BLOCK_H, BLOCK_N]
+    if HAS_ROPE:
+        kv_rope_part = tl.load(rows[:, None] + cols_rope[None, :], mask=rope_tile_mask, other=0.0)  # [BLOCK_N, R]
+        scores += tl.dot(q_rope_part, tl.trans(kv_rope_part), input_precision="ieee")
+    if MASK_ROWS:
+        scores = tl.where(row_mask[None, :], scores * scale_log2, float("-inf"))
+    else:
+        scores = scores * scale_log2
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp2(running_max - new_max)
+    probs = tl.exp2(scores - new_max[:, None])                                               # [BLOCK_H, BLOCK_N]
+    denominator = denominator * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
+    return new_max, denominator, acc
 
 
 @triton.jit
@@ -29,9 +68,10 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
                              q_batch_stride, q_head_stride, kv_page_stride, kv_slot_stride, page_table_stride,
                              mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
                              mid_lse_batch_stride, mid_lse_head_stride,
-                             num_heads, v_dim, latent_dim, page_size, split_len, scale_log2, ln2,
-                             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                             BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr):
+                             num_heads, v_dim, latent_dim, split_len, scale_log2, ln2,
+                             PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr,
+                             PAGE_TILES: tl.constexpr):
     batch = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,26 +94,35 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
     running_max = tl.full((BLOCK_H,), -3.0e38, tl.float32)
     denominator = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
-    for n_start in range(split_start, split_end, BLOCK_N):
-        positions = n_start + tl.arange(0, BLOCK_N)                             # [BLOCK_N]
-        position_mask = positions < split_end
-        pages = tl.load(page_table_ptr + batch * page_table_stride + positions // page_size,
-                        mask=position_mask, other=0).to(tl.int64)
-        entries = kv_ptr + pages * kv_page_stride + (positions % page_size).to(tl.int64) * kv_slot_stride
-        kv_value_part = tl.load(entries[:, None] + cols_v[None, :], mask=position_mask[:, None] & v_mask[None, :],
-                                other=0.0)                                      # [BLOCK_N, BLOCK_V]
-        scores = tl.dot(q_value_part, tl.trans(kv_value_part), input_precision="ieee")   # [BLOCK_H, BLOCK_N]
-        if HAS_ROPE:
-            kv_rope_part = tl.load(entries[:, None] + cols_rope[None, :],
-                                   mask=position_mask[:, None] & rope_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-            scores += tl.dot(q_rope_part, tl.trans(kv_rope_part), input_precision="ieee")
-        scores = tl.where(position_mask[None, :], scores * scale_log2, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(running_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])                              # [BLOCK_H, BLOCK_N]
-        denominator = denominator * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
-        running_max = new_max
+    row_pages = page_table_ptr + batch * page_table_stride
+    tile_rows = tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
+    if PAGE_TILES:
+        # split_start is a multiple of BLOCK_N (split_len is), so every tile starts inside one page
+        whole_end = split_start + (split_end - split_start) // BLOCK_N * BLOCK_N
+        page = tl.load(row_pages + split_start // PAGE_SIZE).to(tl.int64)
+        for n_start in range(split_start, whole_end, BLOCK_N):
+            next_start = n_start + BLOCK_N
+            # the next tile's page id is read before this tile is used, so its latency overlaps this tile's loads
+            next_page = tl.load(row_pages + next_start // PAGE_SIZE, mask=next_start < split_end, other=0).to(tl.int64)
+            rows = kv_ptr + page * kv_page_stride + (n_start % PAGE_SIZE + tile_rows) * kv_slot_stride
+            running_max, denominator, acc = _attend_tile(
+                q_value_part, q_rope_part, rows, tile_rows < BLOCK_N, cols_v, v_mask, cols_rope, rope_mask,
+                running_max, denominator, acc, scale_log2, HAS_ROPE, False)
+            page = next_page
+        if whole_end < split_end:                                               # `page` is whole_end's page here
+            rows = kv_ptr + page * kv_page_stride + (whole_end % PAGE_SIZE + tile_rows) * kv_slot_stride
+            running_max, denominator, acc = _attend_tile(
+                q_value_part, q_rope_part, rows, whole_end + tile_rows < split_end, cols_v, v_mask, cols_rope,
+                rope_mask, running_max, denominator, acc, scale_log2, HAS_ROPE, True)
+    else:
+        for n_start in range(split_start, split_end, BLOCK_N):
+            positions = n_start + tile_rows                                     # [BLOCK_N]
+            position_mask = positions < split_end
+            pages = tl.load(row_pages + positions // PAGE_SIZE, mask=position_mask, other=0).to(tl.int64)
+            rows = kv_ptr + pages * kv_page_stride + (positions % PAGE_SIZE).to(tl.int64) * kv_slot_stride
+            running_max, denominator, acc = _attend_tile(
+                q_value_part, q_rope_part, rows, position_mask, cols_v, v_mask, cols_rope, rope_mask,
+                running_max, denominator, acc, scale_log2, HAS_ROPE, True)
 
     out_ptrs = (mid_out_ptr + batch * mid_out_batch_stride + heads[:, None] * mid_out_head_stride
                 + split * mid_out_split_stride + cols_v[None, :])
@@ -87,36 +136,53 @@ def _mla_decode_merge_kernel(mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, ls
                              mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
                              mid_lse_batch_stride, mid_lse_head_stride, out_batch_stride, out_head_stride,
                              lse_batch_stride, v_dim, split_len,
-                             BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+                             BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_V: tl.constexpr):
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)                   # [BLOCK_V]
     num_active = tl.cdiv(tl.load(seq_lens_ptr + batch), split_len)
     splits = tl.arange(0, BLOCK_S)
     lse_row = mid_lse_ptr + batch * mid_lse_batch_stride + head * mid_lse_head_stride
     split_lse = tl.load(lse_row + splits, mask=splits < num_active, other=float("-inf"))   # [BLOCK_S]
     max_lse = tl.max(split_lse, axis=0)
     total = tl.sum(tl.exp(split_lse - max_lse), axis=0)
-    cols = tl.arange(0, BLOCK_V)
     mask = cols < v_dim
     acc = tl.zeros((BLOCK_V,), tl.float32)
     partial_row = mid_out_ptr + batch * mid_out_batch_stride + head * mid_out_head_stride
-    for split in range(0, num_active):
-        weight = tl.exp(tl.load(lse_row + split) - max_lse) / total
-        acc += weight * tl.load(partial_row + split * mid_out_split_stride + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + cols, acc.to(out_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(lse_ptr + batch * lse_batch_stride + head, max_lse + tl.log(total))
+    chunk = tl.arange(0, MERGE_S)
+    for first in range(0, num_active, MERGE_S):
+        step_splits = first + chunk                                             # [MERGE_S]
+        active = step_splits < num_active
+        weights = tl.exp(tl.load(lse_row + step_splits, mask=active, other=float("-inf")) - max_lse)
+        partials = tl.load(partial_row + step_splits[:, None] * mid_out_split_stride + cols[None, :],
+                           mask=active[:, None] & mask[None, :], other=0.0)     # [MERGE_S, BLOCK_V]
+        acc += tl.sum(weights[:, None] * partials, axis=0)
+    tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + cols,
+             (acc / total).to(out_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(2) == 0:
+        tl.store(lse_ptr + batch * lse_batch_stride + head, max_lse + tl.log(total))
 
 
-def choose_num_splits(device: torch.device, batch: int, num_head_blocks: int, capacity: int, block_n: int) -> int:
-    """Enough splits for about two programs per SM/CU, but never a split shorter than 4 key tiles."""
-    wanted = triton.cdiv(2 * compute_units(device), max(1, batch * num_head_blocks))
+def choose_num_splits(device: torch.device, batch: int, num_head_blocks: int, capacity: int, block_n: int,
+                      programs_per_unit: int = 2) -> int:
+    """Enough splits for about `programs_per_unit` programs per SM/CU, but never a split shorter than 4 key tiles."""
+    wanted = triton.cdiv(programs_per_unit * compute_units(device), max(1, batch * num_head_blocks))
     return max(1, min(wanted, triton.cdiv(capacity, 4 * block_n)))
+
+
+def _check_config(config: MlaDecodeConfig, page_size: int) -> None:
+    if config.tiles not in MLA_DECODE_TILES:
+        raise ValueError(f"mla_decode: unknown tiles {config.tiles!r}; choose one of: {', '.join(MLA_DECODE_TILES)}")
+    if config.tiles == "page" and page_size % config.block_n != 0:
+        raise ValueError(f"mla_decode: 'page' tiles need block_n ({config.block_n}) to divide the page size "
+                         f"({page_size}); use 'gather' tiles or a smaller block_n")
+    if config.merge_splits < 1 or config.merge_splits & (config.merge_splits - 1):
+        raise ValueError(f"mla_decode: merge_splits must be a power of two, got {config.merge_splits}")
 
 
 def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, v_dim: int, num_splits: int,
-                           config: AttentionConfig | None = None) -> MlaDecodeOut:
+                           config: MlaDecodeConfig | None = None) -> MlaDecodeOut:
     """`mla_decode` with the number of context splits (and optionally the tiles) given: tests and tuning pin them."""
     batch, num_heads, latent_dim = q.shape
     page_size = kv_cache.shape[1]
@@ -131,7 +197,8 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=q.device)       # [B, H]
     if batch == 0:
         return MlaDecodeOut(out, lse)
-    config = config or mla_decode_config(q.device, num_heads)
+    config = config or mla_decode_config(q.device, num_heads, batch, page_size)
+    _check_config(config, page_size)
     capacity = page_table.shape[1] * page_size
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), config.block_n) * config.block_n
     num_splits = triton.cdiv(capacity, split_len)
@@ -139,27 +206,30 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     rope_dim = latent_dim - v_dim
     mid_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)  # [B, H, S, V]
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)        # [B, H, S]
-    grid = (batch, triton.cdiv(num_heads, config.block_m), num_splits)
+    grid = (batch, triton.cdiv(num_heads, config.block_h), num_splits)
     _mla_decode_split_kernel[grid](
         q, kv_cache, page_table, seq_lens, mid_out, mid_lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        num_heads, v_dim, latent_dim, page_size, split_len, scale / LN2, LN2,
-        BLOCK_H=config.block_m, BLOCK_N=config.block_n, BLOCK_V=block_v,
+        num_heads, v_dim, latent_dim, split_len, scale / LN2, LN2,
+        PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_V=block_v,
         BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    _mla_decode_merge_kernel[(batch, num_heads)](
+        PAGE_TILES=config.tiles == "page", num_warps=config.num_warps, num_stages=config.num_stages)
+    merge_block_v = min(block_v, config.merge_block_v or block_v)
+    _mla_decode_merge_kernel[(batch, num_heads, triton.cdiv(v_dim, merge_block_v))](
         mid_out, mid_lse, seq_lens, out, lse,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), v_dim, split_len,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_V=block_v, num_warps=4 if block_v >= 512 else 1)
+        BLOCK_S=triton.next_power_of_2(num_splits), MERGE_S=config.merge_splits, BLOCK_V=merge_block_v,
+        num_warps=4 if merge_block_v * config.merge_splits >= 512 else 1)
     return MlaDecodeOut(out, lse)
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, v_dim: int) -> MlaDecodeOut:
-    config = mla_decode_config(q.device, q.shape[1])
+               scale: float, v_dim: int, config: MlaDecodeConfig | None = None) -> MlaDecodeOut:
+    """The op (see `k3core.ops`); `config` defaults to the tuning table's entry for this target and batch."""
+    config = config or mla_decode_config(q.device, q.shape[1], q.shape[0], kv_cache.shape[1])
     capacity = page_table.shape[1] * kv_cache.shape[1]
-    num_splits = choose_num_splits(q.device, q.shape[0], triton.cdiv(q.shape[1], config.block_m), capacity,
-                                   config.block_n)
-    return mla_decode_with_splits(q, kv_cache, page_table, seq_lens, scale, v_dim, num_splits)
+    num_splits = choose_num_splits(q.device, q.shape[0], triton.cdiv(q.shape[1], config.block_h), capacity,
+                                   config.block_n, config.programs_per_unit)
+    return mla_decode_with_splits(q, kv_cache, page_table, seq_lens, scale, v_dim, num_splits, config)
