@@ -1,13 +1,18 @@
 """`moe_experts` through `torch._grouped_mm` (one grouped GEMM per projection, CUTLASS on sm90+).
 
-Tokens are sorted by expert so that each expert's rows are contiguous; `offs` holds the cumulative row counts.
-Rows whose expert lives on another rank (expert parallelism) are sorted to the end, past the last offset, and
-masked out with `where` (not multiplied by zero: rows past the last group are never written by the GEMM and may
-hold anything, NaN included). No host synchronisation, so the call can be captured in a CUDA graph.
+Around the two GEMMs, one pass each and no host synchronisation (so the call can be captured in a CUDA graph):
+1. one stable sort of the (token, choice) pairs by local expert; `offs` (the end row of each expert) is a
+   searchsorted of the sorted keys on the device, never a bincount (whose CUDA version reads its max on the host);
+2. one gather of the token rows into sorted order;
+3. the GLU activation (SiLU/SiTU) as one Triton kernel over the [gate | up] GEMM output;
+4. one Triton combine kernel: each token gathers its k rows, scales them by their routing weights and sums them in
+   a fixed order in float32 (no atomics, no float32 copy of the expert outputs).
+Rows whose expert lives on another rank (expert parallelism) are sorted to the end, past the last offset; the
+GEMMs never write them (they may hold anything, NaN included) and the combine never reads them.
 
 Limits (repeated in `reasons`): bfloat16 on compute capability 9.0+ (the CUTLASS path); every GEMM dimension a
-multiple of 8 (16-byte aligned rows). torch also runs `_grouped_mm` on the CPU, which is how
-tests/test_backends.py checks this adapter in float32 against the reference without a GPU.
+multiple of 8 (16-byte aligned rows). torch also runs `_grouped_mm` on the CPU, and the two Triton kernels run there
+under TRITON_INTERPRET=1, which is how tests/test_backends.py checks this adapter in float32 without a GPU.
 """
 from __future__ import annotations
 
@@ -46,25 +51,25 @@ def reasons(spec: OpSpec) -> list[str]:
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor, activation: str, situ_beta: float, situ_linear_beta: float | None,
                 expert_offset: int = 0) -> torch.Tensor:
-    from kernels.torch.activation import glu_activation  # noqa: PLC0415  (one definition of the activation)
+    # triton only once the op runs: selecting providers must not import vendor packages
+    from kernels.triton.activation import glu_activation  # noqa: PLC0415
+    from kernels.triton.moe_experts import combine_expert_rows  # noqa: PLC0415
     num_tokens, width = x.shape                                    # [T, D]
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
-    if num_tokens == 0:
-        return x.new_zeros(0, width)
-    local = expert_ids.long() - expert_offset                      # [T, k]
+    out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    expert_ids = expert_ids.long().contiguous()
+    local = expert_ids.flatten() - expert_offset                   # [P = T*k]
     on_this_rank = (local >= 0) & (local < num_experts)
-    group = torch.where(on_this_rank, local, num_experts).flatten()  # [T*k]; foreign experts -> past the end
-    order = torch.argsort(group, stable=True)                      # [T*k]
-    counts = torch.bincount(group, minlength=num_experts + 1)[:num_experts]
-    offs = torch.cumsum(counts, 0).to(torch.int32)                 # [E] end row of each expert
-    token_of_row = order // top_k                                  # [T*k]
-    rows = x[token_of_row]                                         # [T*k, D]
-    hidden = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)                    # [T*k, 2I]
-    act = glu_activation(hidden, activation, situ_beta, situ_linear_beta)                # [T*k, I]
-    out = torch._grouped_mm(act.to(x.dtype), w2.transpose(-2, -1), offs=offs)             # [T*k, D]
-    row_weight = weights.flatten()[order].float()                  # [T*k]
-    keep = on_this_rank.flatten()[order]
-    out = torch.where(keep[:, None], out.float() * row_weight[:, None], 0.0)
-    y = torch.zeros(num_tokens, width, dtype=torch.float32, device=x.device)
-    y.index_add_(0, token_of_row, out)                             # sum over the k experts in float32
-    return y.to(x.dtype)
+    group = torch.where(on_this_rank, local, num_experts)          # [P]; foreign experts -> past the end
+    sorted_group, order = torch.sort(group, stable=True)           # [P]
+    experts = torch.arange(num_experts, device=x.device)
+    offs = torch.searchsorted(sorted_group, experts, right=True).to(torch.int32)          # [E] end row of each expert
+    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # [P]
+    rows = x.index_select(0, order // top_k)                       # [P, D]
+    hidden = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)                    # [P, 2I]
+    act = glu_activation(hidden, activation, situ_beta, situ_linear_beta)                # [P, I] in x.dtype
+    expert_out = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)                 # [P, D]
+    combine_expert_rows(expert_out, row_of_pair, weights, expert_ids, expert_offset, num_experts, out)
+    return out

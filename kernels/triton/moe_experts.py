@@ -5,10 +5,12 @@
    Pairs routed to experts of other ranks (expert parallelism) are dropped here.
 2. Gate/up kernel: per (row block, column block of I) both halves of W13 in one K loop, SiLU/SiTU fused in float32,
    the activation stored in x's dtype in sorted order.
-3. Down kernel: per (row block, column block of D) the W2 GEMM, scaled by the routing weight, written in float32 to
-   the pair's own row (no atomics, so results do not depend on scheduling).
-4. Combine kernel: each token sums its k rows in a fixed order, in float32, and casts once.
-Token chunks bound the float32 pair buffer (T * k * D * 4 bytes) to about 1 GiB.
+3. Down kernel: per (row block, column block of D) the W2 GEMM, written in float32 to the same sorted row (no atomics,
+   so results do not depend on scheduling).
+4. Combine kernel (`combine_expert_rows`, shared with the torch._grouped_mm provider): each token gathers its k rows,
+   scales each by its routing weight and sums them in a fixed order, in float32, and casts once.
+Token chunks bound the float32 row buffer ((T * k + E * BLOCK_M) * D * 4 bytes) to about 1 GiB plus the padding.
+`bench/tune_moe.py` times `gate_up` and `down` alone over their launch parameters (see `moe_gemm_config`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.activation import check_activation, glu_f32
-from kernels.triton.tuning_ops import moe_gemm_config
+from kernels.triton.tuning_ops import GemmConfig, moe_gemm_config
 
 PAIR_BUFFER_BYTES = 1 << 30
 
@@ -27,6 +29,7 @@ PAIR_BUFFER_BYTES = 1 << 30
 class ExpertBlocks(NamedTuple):
     sorted_pairs: torch.Tensor     # int64 [num_blocks * BLOCK_M]: pair index t * k + j, num_pairs in padding rows
     block_experts: torch.Tensor    # int64 [num_blocks]: local expert of each block, num_experts for an idle block
+    row_of_pair: torch.Tensor      # int64 [num_pairs]: the sorted row of each local pair (meaningless for others)
 
 
 def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
@@ -39,27 +42,26 @@ def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_expe
     num_pairs = local.numel()
     mine = (local >= 0) & (local < num_experts)
     key = torch.where(mine, local, torch.full_like(local, num_experts))         # other ranks' pairs sort last
-    order = torch.argsort(key, stable=True)                                     # [P]
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=local.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]                                               # [E]
+    sorted_key, order = torch.sort(key, stable=True)                            # [P]
+    experts = torch.arange(num_experts, device=local.device)
+    count_end = torch.searchsorted(sorted_key, experts, right=True)             # [E] end of each expert's pairs
+    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))              # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded                                          # [E]
-    count_start = torch.cumsum(counts, 0) - counts                              # [E]
-    sorted_key = key[order]                                                     # [P]
     safe_key = sorted_key.clamp(max=num_experts - 1)
-    rank_in_expert = torch.arange(num_pairs, device=local.device) - count_start[safe_key]
+    rank_in_expert = torch.arange(num_pairs, device=local.device) - (count_end - counts)[safe_key]
     num_blocks = triton.cdiv(num_pairs, block_m) + num_experts
     capacity = num_blocks * block_m
     # pairs of other ranks go to one extra dump row that is cut off below
     destination = torch.where(sorted_key < num_experts, padded_start[safe_key] + rank_in_expert,
-                              torch.full_like(sorted_key, capacity))
+                              torch.full_like(sorted_key, capacity))           # [P] sorted row of order[i]
     sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.long, device=local.device)
     sorted_pairs.scatter_(0, destination, order)
+    row_of_pair = torch.empty_like(order).scatter_(0, order, destination)       # [P]
     block_starts = torch.arange(num_blocks, device=local.device) * block_m
     block_experts = torch.searchsorted(padded_end, block_starts, right=True)    # [num_blocks], E when idle
-    return ExpertBlocks(sorted_pairs[:capacity], block_experts)
+    return ExpertBlocks(sorted_pairs[:capacity], block_experts, row_of_pair)
 
 
 @triton.jit
@@ -98,8 +100,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, hidden_ptr, sorted_pairs_ptr, block_experts_
 
 
 @triton.jit
-def _down_kernel(hidden_ptr, w2_ptr, pair_out_ptr, sorted_pairs_ptr, block_experts_ptr, route_weights_ptr,
-                 hidden_row_stride, w2_expert_stride, w2_row_stride, pair_out_row_stride,
+def _down_kernel(hidden_ptr, w2_ptr, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                 hidden_row_stride, w2_expert_stride, w2_row_stride, rows_out_row_stride,
                  num_pairs, num_experts, hidden_dim, inter_dim,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
@@ -121,55 +123,86 @@ def _down_kernel(hidden_ptr, w2_ptr, pair_out_ptr, sorted_pairs_ptr, block_exper
         w_tile = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
                          other=0.0)                                              # [BLOCK_K, BLOCK_N]
         acc = tl.dot(h_tile, w_tile, acc, input_precision="ieee")
-    route_weight = tl.load(route_weights_ptr + pairs, mask=row_mask, other=0.0)  # [BLOCK_M] float32
-    tl.store(pair_out_ptr + pairs[:, None] * pair_out_row_stride + cols[None, :], acc * route_weight[:, None],
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
+             acc.to(rows_out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(pair_out_ptr, expert_ids_ptr, out_ptr, pair_out_row_stride, out_row_stride, expert_offset,
-                    num_experts, hidden_dim, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(rows_ptr, row_of_pair_ptr, weights_ptr, expert_ids_ptr, out_ptr, rows_row_stride,
+                    out_row_stride, expert_offset, num_experts, hidden_dim, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden_dim
     acc = tl.zeros((BLOCK,), tl.float32)
     for choice in tl.static_range(TOP_K):
-        local = tl.load(expert_ids_ptr + token * TOP_K + choice) - expert_offset
+        pair = token * TOP_K + choice
+        local = tl.load(expert_ids_ptr + pair) - expert_offset
         mine = (local >= 0) & (local < num_experts)
-        acc += tl.load(pair_out_ptr + (token * TOP_K + choice) * pair_out_row_stride + cols, mask=mask & mine,
-                       other=0.0)
+        # a foreign pair's row index and weight are never used: its row may be a dump slot or garbage
+        row = tl.load(row_of_pair_ptr + pair, mask=mine, other=0)
+        weight = tl.load(weights_ptr + pair, mask=mine, other=0.0)
+        values = tl.load(rows_ptr + row * rows_row_stride + cols, mask=mask & mine, other=0.0)
+        acc += values.to(tl.float32) * weight
     tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _experts_chunk(x, w13, w2, weights, expert_ids, activation, situ_beta, situ_linear_beta, expert_offset, out):
-    num_tokens, hidden_dim = x.shape
-    num_experts, two_inter, _ = w13.shape
+def combine_expert_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor,
+                        expert_ids: torch.Tensor, expert_offset: int, num_experts: int, out: torch.Tensor) -> None:
+    """out[t] = sum_j weights[t, j] * rows[row_of_pair[t * k + j]] over the pairs whose expert is local, in float32
+    in the order j = 0..k-1 (deterministic: no atomics). rows [R, D] any float dtype; weights, expert_ids [T, k]."""
+    num_tokens, top_k = expert_ids.shape
+    hidden_dim = out.shape[1]
+    if num_tokens == 0:
+        return
+    weights = weights.reshape(-1).to(torch.float32).contiguous()                 # [P]
+    block = min(1024, triton.next_power_of_2(hidden_dim))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_dim, block))](
+        rows, row_of_pair.contiguous(), weights, expert_ids.long().contiguous(), out, rows.stride(0), out.stride(0),
+        expert_offset, num_experts, hidden_dim, TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1)
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int, activation: str,
+            situ_beta: float | None, situ_linear_beta: float | None, block_m: int, tile: GemmConfig) -> torch.Tensor:
+    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
+    num_pairs = blocks.row_of_pair.numel()
+    num_experts, two_inter, hidden_dim = w13.shape
     inter_dim = two_inter // 2
-    top_k = expert_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    config = moe_gemm_config(x.device, num_pairs)
-    blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, config.block_m)
     num_blocks = blocks.block_experts.numel()
-    hidden = torch.empty(num_blocks * config.block_m, inter_dim, dtype=x.dtype, device=x.device)  # [P_pad, I]
-    pair_out = torch.empty(num_pairs, hidden_dim, dtype=torch.float32, device=x.device)           # [P, D]
-    route_weights = weights.reshape(-1).to(torch.float32).contiguous()                            # [P]
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, config.block_n))](
+    hidden = torch.empty(num_blocks * block_m, inter_dim, dtype=x.dtype, device=x.device)  # [P_pad, I]
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13, hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim, float(situ_beta if situ_beta is not None else 1.0),
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, config.block_n))](
-        hidden, w2, pair_out, blocks.sorted_pairs, blocks.block_experts, route_weights,
-        hidden.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return hidden
+
+
+def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: int, tile: GemmConfig) -> torch.Tensor:
+    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
+    num_pairs = blocks.row_of_pair.numel()
+    num_experts, hidden_dim, inter_dim = w2.shape
+    num_blocks = blocks.block_experts.numel()
+    rows_out = torch.empty(num_blocks * block_m, hidden_dim, dtype=torch.float32, device=hidden.device)  # [P_pad, D]
+    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+        hidden, w2, rows_out, blocks.sorted_pairs, blocks.block_experts,
+        hidden.stride(0), w2.stride(0), w2.stride(1), rows_out.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **launch)
-    combine_block = min(1024, triton.next_power_of_2(hidden_dim))
-    _combine_kernel[(num_tokens, triton.cdiv(hidden_dim, combine_block))](
-        pair_out, expert_ids, out, pair_out.stride(0), out.stride(0), expert_offset, num_experts, hidden_dim,
-        TOP_K=top_k, BLOCK=combine_block, num_warps=4 if combine_block >= 512 else 1)
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return rows_out
+
+
+def _experts_chunk(x, w13, w2, weights, expert_ids, activation, situ_beta, situ_linear_beta, expert_offset, out):
+    num_experts = w13.shape[0]
+    top_k = expert_ids.shape[1]
+    config = moe_gemm_config(x.device, x.shape[0] * top_k)
+    blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, config.block_m)
+    hidden = gate_up(x, w13, blocks, top_k, activation, situ_beta, situ_linear_beta, config.block_m, config.gate_up)
+    rows_out = down(hidden, w2, blocks, config.block_m, config.down)
+    combine_expert_rows(rows_out, blocks.row_of_pair, weights, expert_ids, expert_offset, num_experts, out)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

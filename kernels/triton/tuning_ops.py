@@ -78,38 +78,128 @@ def mla_prefill_config(device: torch.device, head_dim_qk: int, element_size: int
     return AttentionConfig(block_m=128, block_n=64 if head_dim_qk <= 256 else 32, num_warps=8, num_stages=3)
 
 
-def mla_decode_config(device: torch.device, num_heads: int) -> AttentionConfig:
+class MlaDecodeConfig(NamedTuple):
+    """Launch parameters of split-KV MLA decode (kernels/triton/mla_decode.py)."""
+    block_h: int             # heads per program: all heads of a block share each KV tile
+    block_n: int             # cache entries per inner step
+    num_warps: int
+    num_stages: int
+    programs_per_unit: int   # split-KV: split the context until there are about this many programs per SM/CU
+    tiles: str               # "page": one page id per tile, rows addressed from one base (needs block_n | page);
+                             # "gather": one page id per entry (any page size)
+    merge_splits: int = 1    # LSE merge: splits combined per step (a power of two)
+    merge_block_v: int = 0   # LSE merge: value columns per program (0: all of them)
+
+
+MLA_DECODE_TILES = ("page", "gather")
+# Shape classes of the tuning tables: (largest batch of the class or None for "and above", class name).
+MLA_DECODE_BATCH_CLASSES = ((4, "batch 1-4"), (32, "batch 5-32"), (None, "batch 33+"))
+KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs 129-512"), (None, "seqs 513+"))
+
+# NVIDIA, <= 16 heads (a TP8 rank of K3: 12 heads, 576-wide latent, page 64). The values measured before the
+# tuning sweep existed: 16 x 32 tiles on 4 warps with about 2 programs per SM (1.3 TB/s at B=1, 128K; 1.6 TB/s at
+# B=64, 8K on an H200). Paste the winners of `python -m bench.tune_decode` here, one line per class.
+_MLA_DECODE_NVIDIA: dict[str, MlaDecodeConfig] = {
+    "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
+                                 tiles="gather"),
+    "batch 5-32": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
+                                  tiles="gather"),
+    "batch 33+": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
+                                 tiles="gather"),
+}
+
+
+def shape_class(classes: tuple[tuple[int | None, str], ...], size: int) -> str:
+    """The name of the first class whose bound is >= size (None: no bound)."""
+    return next(name for bound, name in classes if bound is None or size <= bound)
+
+
+def mla_decode_config(device: torch.device, num_heads: int, batch: int = 1, page_size: int = 64) -> MlaDecodeConfig:
+    """Tiles per target and shape class. "page" tiles need block_n to divide the page size; where it does not,
+    this returns the same config with "gather" tiles (the kernel is chosen here, never inside the launch)."""
     kind = target(device)
     if kind == "interpreter":
-        return AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-    # block_m = heads per program: all heads of a block share each KV tile. Few heads (tensor-parallel ranks) make
-    # the op memory bound, and 16 x 32 tiles on 4 warps with about 2 programs per SM streamed fastest on an H200
-    # (1.3 TB/s at B=1, 128K; 2.0 TB/s at B=128, 2K). With 64+ heads it turns compute bound (~180 FLOP per byte)
-    # and wider head blocks with 8 warps win.
+        config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2,
+                                 tiles="page", merge_splits=2)
+    elif kind == "amd":
+        config = MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, programs_per_unit=2,
+                                 tiles="gather")
+    elif num_heads <= 16:
+        config = _MLA_DECODE_NVIDIA[shape_class(MLA_DECODE_BATCH_CLASSES, batch)]
+    else:
+        # With 64+ heads the op turns compute bound (~180 FLOP per byte) and wider head blocks with 8 warps win.
+        config = MlaDecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8, num_stages=2,
+                                 programs_per_unit=2, tiles="gather")
+    if config.tiles == "page" and page_size % config.block_n != 0:
+        config = config._replace(tiles="gather")
+    return config
+
+
+class KdaDecodeConfig(NamedTuple):
+    """Launch parameters of KDA decode (kernels/triton/kda_decode.py): one program per (value block, head, seq)."""
+    block_v: int             # value rows of the [V, K] state per program: V / block_v programs per (seq, head)
+    num_warps: int
+
+
+# NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
+# N=256 on an H200); paste the winners of `python -m bench.tune_decode --only kda` here.
+_KDA_DECODE_NVIDIA: dict[str, KdaDecodeConfig] = {
+    "seqs 1-16": KdaDecodeConfig(block_v=32, num_warps=4),
+    "seqs 17-128": KdaDecodeConfig(block_v=32, num_warps=4),
+    "seqs 129-512": KdaDecodeConfig(block_v=32, num_warps=4),
+    "seqs 513+": KdaDecodeConfig(block_v=32, num_warps=4),
+}
+
+
+def kda_decode_config(device: torch.device, num_seqs: int) -> KdaDecodeConfig:
+    kind = target(device)
+    if kind == "interpreter":
+        return KdaDecodeConfig(block_v=16, num_warps=1)
     if kind == "amd":
-        return AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-    if num_heads <= 16:
-        return AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
-    return AttentionConfig(block_m=32 if num_heads <= 32 else 64, block_n=32, num_warps=8, num_stages=2)
+        return KdaDecodeConfig(block_v=32, num_warps=2)     # 64-lane wavefronts: half the warps of NVIDIA
+    return _KDA_DECODE_NVIDIA[shape_class(KDA_DECODE_BATCH_CLASSES, num_seqs)]
 
 
 class GemmConfig(NamedTuple):
-    block_m: int       # routed token rows per program (all of one expert)
+    """Launch parameters of one MoE GEMM kernel (the row block is shared: see MoeGemmConfig)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
 
 
-def moe_gemm_config(device: torch.device, num_rows: int) -> GemmConfig:
+class MoeGemmConfig(NamedTuple):
+    block_m: int          # routed token rows per program, all of one expert; one row layout serves both GEMMs
+    gate_up: GemmConfig   # x W13^T with the GLU fused, column blocks over the expert width I
+    down: GemmConfig      # hidden W2^T, column blocks over the latent width D
+
+
+# Shape classes by routed rows (tokens x top_k): decode batches route few rows per expert, where a small block_m
+# wastes less padding. The tuner's decode shape (64 tokens x top-16 = 1024 rows) has a class of its own.
+MOE_GEMM_ROW_CLASSES = ((256, "rows 1-256"), (2048, "rows 257-2048"), (None, "rows 2049+"))
+
+# NVIDIA (sm90+), the values used before the tuning sweep existed. Paste the lines `python -m bench.tune_moe` prints
+# here, one per class.
+_MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
+    "rows 1-256": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
+                                down=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    "rows 257-2048": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                                   down=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    "rows 2049+": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                                down=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)),
+}
+
+
+def moe_gemm_config(device: torch.device, num_rows: int) -> MoeGemmConfig:
+    """The MoE expert GEMM launch parameters for `num_rows` routed rows (tokens x top_k) on `device`."""
     kind = target(device)
     if kind == "interpreter":
-        return GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
-    # decode-sized batches route few rows per expert: a small block_m wastes less padding
-    block_m = 16 if num_rows <= 256 else 64
+        tile = GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1)
+        return MoeGemmConfig(block_m=16, gate_up=tile, down=tile)
     if kind == "amd":
-        return GemmConfig(block_m=block_m, block_n=64, block_k=64, num_warps=4, num_stages=1)
-    return GemmConfig(block_m=block_m, block_n=128, block_k=64, num_warps=4 if block_m == 16 else 8, num_stages=3)
+        tile = GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=1)     # 64-lane wavefronts, smaller LDS
+        return MoeGemmConfig(block_m=16 if num_rows <= 256 else 64, gate_up=tile, down=tile)
+    return _MOE_GEMM_NVIDIA[shape_class(MOE_GEMM_ROW_CLASSES, num_rows)]
 
 
 def _let_interpreter_index_size_one_arrays() -> None:
