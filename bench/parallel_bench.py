@@ -260,7 +260,8 @@ def _speed_rank(rank: int, plan: ParallelPlan, device, model: str, backend: str,
     return out
 
 
-def speed(setup_device: str, backend: str, smoke: bool, log, only: list[str] | None) -> dict:
+def speed(setup_device: str, backend: str, smoke: bool, log, only: list[str] | None, section: dict):
+    """Fills `section` plan by plan (the caller writes it out after each, so a timeout keeps the finished plans)."""
     model = SMOKE["model"] if smoke else "k3-mini"
     dtype = "float32" if smoke else "bfloat16"
     engine = SMOKE["engine"] if smoke else SPEED_ENGINE
@@ -268,8 +269,8 @@ def speed(setup_device: str, backend: str, smoke: bool, log, only: list[str] | N
     batch = SMOKE["decode_batch"] if smoke else DECODE_BATCH
     context = SMOKE["decode_context"] if smoke else DECODE_CONTEXT
     steps = SMOKE["decode_steps"] if smoke else DECODE_STEPS
-    section: dict = {"model": model, "dtype": dtype, "backend": backend, "engine": {k: v for k, v in engine.items()},
-                     "decode": dict(batch=batch, context=context, steps=steps), "plans": {}}
+    section.update({"model": model, "dtype": dtype, "backend": backend, "engine": dict(engine),
+                    "decode": {"batch": batch, "context": context, "steps": steps}, "plans": {}})
     for name, plan in SPEED_PLANS.items():
         if only and name not in only:
             continue
@@ -288,6 +289,7 @@ def speed(setup_device: str, backend: str, smoke: bool, log, only: list[str] | N
         section["plans"][name] = row
         log(f"speed {name:9s} " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "error")
             + (f"  ERROR {row['error'][:400]}" if "error" in row else ""))
+        yield
     return section
 
 
@@ -411,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         write()
     if "speed" in sections:
         if report.get("correctness", {"all_passed": True})["all_passed"] or args.force_speed:
-            report["speed"] = speed(setup_device, backend, args.smoke, log,
-                                    [p for p in args.plans.split(",") if p] or None)
+            report["speed"] = {}
+            for _ in speed(setup_device, backend, args.smoke, log, [p for p in args.plans.split(",") if p] or None,
+                           report["speed"]):
+                write()
         else:
             log("speed skipped: the correctness section failed (pass --force-speed to time anyway)")
         write()
