@@ -16,6 +16,7 @@ from k3core.model.batch import SeqWork
 from k3core.sampling_params import SamplingParams
 from k3core.sched.request import Request, Status
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
+from k3core.stop import OutputText
 
 
 @dataclass
@@ -49,6 +50,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
 
 
 class Engine:
@@ -87,6 +89,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
             options.max_running_requests, options.chunked_prefill_tokens, self.page_size))
         self.requests: dict[str, Request] = {}
+        self.output_texts: dict[str, OutputText] = {}     # of the unfinished requests, by request id
         self._ids = itertools.count()
         self.eos_token_ids = set(getattr(llm.tokenizer, "eos_token_ids", []) or [])
         if self.config.eos_token_id is not None:
@@ -112,6 +115,7 @@ class Engine:
         if params.seed is not None:
             request.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
         self.requests[request_id] = request
+        self.output_texts[request_id] = OutputText(self.llm.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(request)
         return request_id
 
@@ -120,6 +124,7 @@ class Engine:
         if request is None or request.is_finished:
             return False
         self.scheduler.abort(request)
+        self._close_text(request)
         return True
 
     @property
@@ -180,30 +185,38 @@ class Engine:
                 entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
             request.output_logprobs.append(entry)
             logprobs = [entry]
-        reason = self._finish_reason(request, token_id)
+        output_text = self.output_texts[request.request_id]
+        new_text = output_text.push([token_id])
+        reason = self._finish_reason(request, token_id, output_text)
         if reason is not None:
-            request.finish_reason = reason
+            new_text += self._close_text(request)
+            request.finish_reason = "stop" if output_text.stopped else reason
             self.scheduler.finish(request)
-        return StepOutput(request.request_id, [token_id], reason is not None, reason, logprobs)
+        return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, logprobs,
+                          new_text)
 
-    def _finish_reason(self, request: Request, token_id: int) -> str | None:
+    def _finish_reason(self, request: Request, token_id: int, output_text: OutputText) -> str | None:
         params = request.params
         if token_id in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
-        if params.stop:
-            text = self.llm.tokenizer.decode(request.output_token_ids)
-            for stop in params.stop:
-                index = text.find(stop)
-                if index >= 0:
-                    request.text = text[:index]
-                    return "stop"
+        if output_text.stopped:
+            return "stop"
         if len(request.output_token_ids) >= params.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_position_embeddings:
             return "length"
         return None
+
+    def _close_text(self, request: Request) -> str:
+        """Set the request's final text; returns what its output text still held back (nothing after a stop)."""
+        output_text = self.output_texts.pop(request.request_id, None)
+        if output_text is None:
+            return ""
+        rest = output_text.finish()
+        request.text = output_text.text
+        return rest
 
     # ---- offline driver -------------------------------------------------------------------------
     def run_until_done(self, request_ids: list[str], use_tqdm: bool = False) -> dict:
@@ -227,9 +240,9 @@ class Engine:
         results = {}
         for request_id in request_ids:
             request = self.requests.pop(request_id)
-            text = request.text or self.llm.tokenizer.decode(request.output_token_ids)
+            self._close_text(request)
             results[request_id] = CompletionOutput(
-                request_id, request.prompt_token_ids, list(request.output_token_ids), text,
+                request_id, request.prompt_token_ids, list(request.output_token_ids), request.text,
                 request.finish_reason or "abort", request.num_cached_tokens,
                 request.output_logprobs if request.params.logprobs is not None else None)
         return results

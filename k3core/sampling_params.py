@@ -16,6 +16,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None           # return the top-N logprobs of each generated token
+    include_stop_str_in_output: bool = False   # end the text after the stop string instead of before it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

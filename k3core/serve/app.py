@@ -127,6 +127,7 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                                   top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
                                   logprobs=req.logprobs)
         except ValueError as exc:
             raise APIError(str(exc), code="invalid_value") from None

@@ -35,6 +35,7 @@ class EngineEvent:
     finish_reason: str | None = None        # "stop" | "length" | "abort"; "rejected" (bad request), "error"
     num_cached_tokens: int = 0
     error: str | None = None
+    new_text: str = ""                      # the engine's text delta (k3core.stop: stop strings already cut)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class _Tracked:
     arrival: float
     num_prompt_tokens: int
     last_token_time: float | None = None
+    num_text_chars: int = 0                 # characters of text already sent to the sink
 
 
 class EngineThread:
@@ -195,9 +197,10 @@ class EngineThread:
         if tracked is None:
             return                                          # already finished: nothing to free
         self.engine.abort(request_id)
-        self.engine.requests.pop(request_id, None)
+        request = self.engine.requests.pop(request_id, None)
+        rest = request.text[tracked.num_text_chars:] if request is not None else ""   # text held back until now
         self.metrics.observe_finish(time.monotonic() - tracked.arrival, "abort")
-        tracked.sink(EngineEvent([], [], True, "abort"))
+        tracked.sink(EngineEvent([], [], True, "abort", new_text=rest))
 
     def _step(self) -> None:
         steps_before = self.engine.num_steps
@@ -224,12 +227,13 @@ class EngineThread:
             else:
                 self.metrics.observe_tokens(len(output.new_token_ids), now - tracked.last_token_time)
             tracked.last_token_time = now
+            tracked.num_text_chars += len(output.new_text)
             if output.finished:
                 self._tracked.pop(output.request_id)
                 self.engine.requests.pop(output.request_id, None)
                 self.metrics.observe_finish(now - tracked.arrival, output.finish_reason or "stop")
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
-                                     output.finish_reason, request.num_cached_tokens))
+                                     output.finish_reason, request.num_cached_tokens, new_text=output.new_text))
         if self.engine.num_steps == steps_before:
             time.sleep(0.001)      # nothing could be scheduled (waiting on memory): do not spin a core
 

@@ -14,7 +14,6 @@ from typing import Any, AsyncIterator
 
 from k3core.sampling_params import SamplingParams
 from k3core.serve.engine_thread import EngineEvent, EngineThread
-from k3core.serve.text import IncrementalText
 
 
 @dataclass
@@ -23,7 +22,7 @@ class Choice:
     engine_id: str
     prompt_index: int
     num_prompt_tokens: int
-    text: IncrementalText
+    text_parts: list[str] = field(default_factory=list)     # the engine's text deltas, in order
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
@@ -33,6 +32,12 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        if len(self.text_parts) > 1:
+            self.text_parts[:] = ["".join(self.text_parts)]
+        return self.text_parts[0] if self.text_parts else ""
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Generation:
         self.include_usage = include_usage
         self.request_id = request_id
         self.prompts = prompts
+        self.tokenizer = tokenizer            # for logprob token texts; the engine turns tokens into text
         self.created = int(time.time())
         self.registry = registry
         self.queue: asyncio.Queue[tuple[int, EngineEvent]] = asyncio.Queue()
@@ -61,8 +67,7 @@ class Generation:
         for prompt_index, prompt in enumerate(prompts):
             for sample in range(n):
                 index = len(self.choices)
-                self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt),
-                                           IncrementalText(tokenizer, params.stop)))
+                self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt)))
         self.params = params
 
     def start(self, arrival: float) -> None:
@@ -109,15 +114,12 @@ class Generation:
         choice.token_ids.extend(event.new_token_ids)
         choice.logprobs.extend(event.new_logprobs)
         choice.num_cached_tokens = max(choice.num_cached_tokens, event.num_cached_tokens)
-        delta = choice.text.push(event.new_token_ids)
-        if choice.text.stopped and not event.finished:
-            self.engine.abort(choice.engine_id)        # the engine stops on the same string; this is a safety net
-            choice.finish_reason = "stop"
+        if event.new_text:
+            choice.text_parts.append(event.new_text)
         if event.finished:
             choice.finish_reason = event.finish_reason or "stop"
             choice.error = event.error
-            delta += choice.text.finish()
-        return delta
+        return event.new_text
 
     def close(self) -> None:
         """Abort every unfinished choice (the client went away or the server is answering with an error)."""

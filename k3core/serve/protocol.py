@@ -39,6 +39,7 @@ class SamplingRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     logprobs: int | None = None            # top-N per token, None = no logprobs
     stream: bool = False
     include_usage: bool = False
@@ -162,6 +163,7 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
         stop=_stop(body),
         stop_token_ids=_int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
         ignore_eos=_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         stream=stream,
         include_usage=stream and _bool(stream_options or {}, "include_usage", False),
     )

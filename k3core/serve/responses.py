@@ -39,14 +39,14 @@ def completion_choice(gen: Generation, choice: Choice, text: str, num_new_tokens
     """One choice of a response (all tokens) or of a chunk (the last `num_new_tokens` of the choice)."""
     logprobs = None
     if gen.params.logprobs is not None:
-        logprobs = completion_logprobs(gen_tokenizer(choice), choice.token_ids,
+        logprobs = completion_logprobs(gen.tokenizer, choice.token_ids,
                                        len(choice.token_ids) - num_new_tokens, entries, gen.params.logprobs)
     return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason if finish else None}
 
 
 def completion_body(gen: Generation, model: str) -> dict[str, Any]:
-    choices = [completion_choice(gen, c, c.text.text, len(c.token_ids), c.logprobs, True) for c in gen.choices]
+    choices = [completion_choice(gen, c, c.text, len(c.token_ids), c.logprobs, True) for c in gen.choices]
     return {"id": gen.request_id, "object": "text_completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage().body()}
 
@@ -85,8 +85,8 @@ def chat_body(gen: Generation, model: str) -> dict[str, Any]:
     for c in gen.choices:
         logprobs = None
         if gen.params.logprobs is not None:
-            logprobs = chat_logprobs(gen_tokenizer(c), c.token_ids, c.logprobs, gen.params.logprobs)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
+            logprobs = chat_logprobs(gen.tokenizer, c.token_ids, c.logprobs, gen.params.logprobs)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": logprobs, "finish_reason": c.finish_reason})
     return {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage().body()}
@@ -101,12 +101,6 @@ def chat_choice_delta(gen: Generation, choice: Choice, delta: dict[str, Any], to
                       entries: list[dict[int, float]], finish: bool) -> dict[str, Any]:
     logprobs = None
     if gen.params.logprobs is not None and token_ids:
-        logprobs = chat_logprobs(gen_tokenizer(choice), token_ids, entries, gen.params.logprobs)
+        logprobs = chat_logprobs(gen.tokenizer, token_ids, entries, gen.params.logprobs)
     return {"index": choice.index, "delta": delta, "logprobs": logprobs,
             "finish_reason": choice.finish_reason if finish else None}
-
-
-# ---- small accessors --------------------------------------------------------------------------------
-def gen_tokenizer(choice: Choice) -> Any:
-    return choice.text.tokenizer
-
