@@ -1,0 +1,170 @@
+"""The decode step in a form a CUDA/HIP graph can capture: static, bucket-padded device inputs and no host reads.
+
+A captured graph replays fixed kernels on fixed addresses, so the step it captures may depend only on tensor
+shapes, never on values read back to the host. `GraphDecode` therefore feeds the network six tensors whose batch
+dimension is padded to a bucket size (`DecodeInputs`) and whose page table has a fixed width (`max_pages`, the
+context capacity the step is built for). Everything the network needs beyond them (cu_seqlens, prefix lengths,
+logit rows) is derived on the device from shapes alone.
+
+Padding rows must write nowhere that matters: a decode step writes the KDA state and conv tail of each row's
+slot and one MLA latent per row. Padding rows therefore point at a scratch slot and a scratch page that the
+pool lends for the step's lifetime (`DecodeScratch`); several padding rows may share them, and what they leave
+there is garbage that nothing reads. Every op of the decode path is row-independent, so padding rows never
+change a real row's result.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from k3core.memory.layout import PageHandle, SlotHandle
+from k3core.model.batch import ForwardBatch, SeqWork
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step's device inputs, batch on dim 0 (the order GraphRunner captures them in)."""
+    token_ids: torch.Tensor        # [B] int64, the token each sequence feeds
+    slot_positions: torch.Tensor   # [B] int64 KDA slot position
+    page_table: torch.Tensor       # [B, max_pages] int32 MLA page positions (unused entries: the scratch page)
+    seq_lens: torch.Tensor         # [B] int32, prefix + 1 (padding rows: 1)
+    new_page: torch.Tensor         # [B] int64 page position the new latent goes to
+    new_offset: torch.Tensor       # [B] int64 offset of the new latent in that page
+
+
+@dataclass(frozen=True)
+class DecodeScratch:
+    """A slot and a page that padding rows may overwrite; positions are looked up per step (compaction moves them)."""
+    slot: SlotHandle
+    page: PageHandle
+
+
+def reserve_scratch(pool) -> DecodeScratch:
+    """Take one slot and one page from `pool` for padding rows and zero both (so padding starts from finite state)."""
+    slot = pool.alloc_slot()
+    pages = pool.alloc_pages(1) if slot is not None else None
+    if slot is None or pages is None:
+        if slot is not None:
+            pool.free_slot(slot)
+        raise ValueError("the pool has no room for the decode graphs' scratch slot and page; give it more memory")
+    pool.zero_slot(slot)
+    page_position = int(pool.page_positions(pages)[0])
+    for mla_layer in range(pool.layout.num_mla_layers):
+        pool.mla_kv(mla_layer)[page_position].zero_()
+    return DecodeScratch(slot, pages[0])
+
+
+def release_scratch(pool, scratch: DecodeScratch) -> None:
+    pool.free_pages([scratch.page])
+    pool.free_slot(scratch.slot)
+
+
+def pack_decode_inputs(work: Sequence[SeqWork], num_rows: int, max_pages: int, page_size: int,
+                       scratch_slot_position: int, scratch_page_position: int) -> DecodeInputs:
+    """Host-side packing of decode work into `num_rows` rows (CPU tensors); rows past len(work) are padding."""
+    if len(work) > num_rows:
+        raise ValueError(f"{len(work)} sequences do not fit a decode step of {num_rows} rows")
+    token_ids = torch.zeros(num_rows, dtype=torch.int64)
+    slots = torch.full((num_rows,), scratch_slot_position, dtype=torch.int64)
+    table = torch.full((num_rows, max_pages), scratch_page_position, dtype=torch.int32)
+    seq_lens = torch.ones(num_rows, dtype=torch.int32)
+    new_page = torch.full((num_rows,), scratch_page_position, dtype=torch.int64)
+    new_offset = torch.zeros(num_rows, dtype=torch.int64)
+    for row, item in enumerate(work):
+        if len(item.new_token_ids) != 1 or item.prefix_len < 1:
+            raise ValueError(f"row {row} feeds {len(item.new_token_ids)} tokens on a prefix of {item.prefix_len}; "
+                             "a decode step feeds exactly one token on a non-empty prefix")
+        total = item.prefix_len + 1
+        needed = -(-total // page_size)
+        pages = torch.as_tensor(item.page_positions).to(torch.int64)[:needed]
+        if len(pages) < needed:
+            raise ValueError(f"row {row} needs {needed} MLA pages for {total} tokens but holds {len(pages)}")
+        if needed > max_pages:
+            raise ValueError(f"row {row} has {total} tokens but the decode step was built for at most "
+                             f"{max_pages * page_size}; build it with a larger max_context")
+        token_ids[row] = int(item.new_token_ids[0])
+        slots[row] = item.slot_position
+        table[row, :needed] = pages.to(torch.int32)
+        seq_lens[row] = total
+        new_page[row] = pages[item.prefix_len // page_size]
+        new_offset[row] = item.prefix_len % page_size
+    return DecodeInputs(token_ids, slots, table, seq_lens, new_page, new_offset)
+
+
+def decode_batch(inputs: DecodeInputs, page_size: int) -> ForwardBatch:
+    """A ForwardBatch for one decode token per row, built on the device from the inputs' shapes only."""
+    num_rows = inputs.token_ids.shape[0]
+    device = inputs.token_ids.device
+    rows = torch.arange(num_rows, device=device)                                     # [B]
+    seq_lens = inputs.seq_lens
+    cu_k = torch.zeros(num_rows + 1, dtype=torch.int32, device=device)
+    cu_k[1:] = torch.cumsum(seq_lens, 0)
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return ForwardBatch(
+        token_ids=inputs.token_ids, cu_seqlens=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+        cu_seqlens_k=cu_k, prefix_lens=seq_lens - 1, seq_lens=seq_lens,
+        has_initial_state=torch.ones(num_rows, dtype=torch.bool, device=device),
+        slot_positions=inputs.slot_positions, page_table=inputs.page_table, new_page=inputs.new_page,
+        new_offset=inputs.new_offset, key_page=empty, key_offset=empty, logit_rows=rows, page_size=page_size,
+        num_seqs=num_rows, is_decode=True)
+
+
+class GraphDecode:
+    """Decode steps of `network` over `pool`'s state for batches of up to max(buckets) sequences of up to
+    `max_context` tokens, replayed from one captured graph per bucket (or run eagerly with the same inputs).
+
+    Rules callers keep: the pool's arena and the weights stay where they are while graphs live; the scratch
+    slot and page stay allocated until `close()`; logits returned by `run` are valid until the next `run`."""
+
+    def __init__(self, network, pool, max_context: int, buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                 scratch: DecodeScratch | None = None):
+        if not (network.first_stage and network.last_stage):
+            raise ValueError("GraphDecode runs the whole network on one device; pipeline stages decode eagerly")
+        self.network = network
+        self.pool = pool
+        self.page_size = pool.layout.page_size
+        self.max_pages = -(-max_context // self.page_size)
+        self.buckets = sorted({int(b) for b in buckets})
+        self.scratch = scratch if scratch is not None else reserve_scratch(pool)
+        self.runner = None
+
+    # ---- the capturable step -------------------------------------------------------------------------
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] float32 of every row (padding rows included); no host reads, shapes only."""
+        return self.network.forward(decode_batch(DecodeInputs(*inputs), self.page_size), self.pool)
+
+    # ---- host side -------------------------------------------------------------------------------------
+    def bucket_for(self, num_seqs: int) -> int:
+        for bucket in self.buckets:
+            if bucket >= num_seqs:
+                return bucket
+        raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}; run eagerly")
+
+    def pack(self, work: Sequence[SeqWork], num_rows: int) -> DecodeInputs:
+        return pack_decode_inputs(work, num_rows, self.max_pages, self.page_size,
+                                  self.pool.slot_position(self.scratch.slot),
+                                  int(self.pool.page_positions([self.scratch.page])[0]))
+
+    def capture(self, graph_runner: Callable[..., object]) -> None:
+        """`graph_runner` is the backend's factory (backends.<vendor>.graph_runner); one graph per bucket."""
+        self.runner = graph_runner(self.step, self.buckets, device=self.pool.device)
+        self.runner.capture(lambda bucket: self.pack([], bucket))     # all padding: writes scratch only
+
+    def run(self, work: Sequence[SeqWork]) -> torch.Tensor:
+        """Logits [len(work), V] from the captured graph of the smallest bucket that holds the batch."""
+        if self.runner is None:
+            raise RuntimeError("GraphDecode.run before capture(); capture once at start or use run_eager")
+        inputs = self.pack(work, self.bucket_for(len(work)))          # every row written: no stale padding
+        return self.runner.run(*inputs)[: len(work)]
+
+    def run_eager(self, work: Sequence[SeqWork], num_rows: int | None = None) -> torch.Tensor:
+        """The same step without a graph (padded to `num_rows`, default the bucket): what replay must match."""
+        rows = num_rows if num_rows is not None else self.bucket_for(len(work))
+        inputs = [t.to(self.pool.device) for t in self.pack(work, rows)]
+        return self.step(*inputs)[: len(work)]
+
+    def close(self) -> None:
+        self.runner = None
+        release_scratch(self.pool, self.scratch)
