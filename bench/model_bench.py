@@ -135,7 +135,7 @@ def correctness_gate(config, weights: dict, ops: dict, dtype: torch.dtype, devic
                      generator: torch.Generator, prompt_len: int) -> dict:
     """Both backends against a float32 reference of the same weights (cast in place to `dtype` afterwards)."""
     smooth = dataclasses.replace(config, num_experts_per_token=config.num_experts)
-    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=generator).tolist()
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(int(generator.initial_seed()))).tolist()
     reference_ops = select_ops("torch", OpSpec(config, torch.float32, device))
     network = Network(smooth, weights, reference_ops)
     reference = network.forward(*scratch_forward(smooth, prompt, torch.float32, device)).clone()

@@ -100,12 +100,15 @@ KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs
 # tuning sweep existed: 16 x 32 tiles on 4 warps with about 2 programs per SM (1.3 TB/s at B=1, 128K; 1.6 TB/s at
 # B=64, 8K on an H200). Paste the winners of `python -m bench.tune_decode` here, one line per class.
 _MLA_DECODE_NVIDIA: dict[str, MlaDecodeConfig] = {
-    "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
-                                 tiles="gather"),
-    "batch 5-32": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
-                                  tiles="gather"),
-    "batch 33+": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_unit=2,
-                                 tiles="gather"),
+    # bench/results/tune-decode-nvidia-h200.md (2026-11-29): 52.0% of copy at B=1 x 128K (was 30.2%)
+    "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
+                                 tiles="page", merge_splits=16, merge_block_v=128),
+    # 70.6% at B=8 x 32K (was 53.8%)
+    "batch 5-32": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
+                                  tiles="page", merge_splits=16, merge_block_v=128),
+    # 69.5% at B=64 x 8K (was 43.3%)
+    "batch 33+": MlaDecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, programs_per_unit=1,
+                                 tiles="page", merge_splits=1, merge_block_v=0),
 }
 
 
@@ -144,10 +147,12 @@ class KdaDecodeConfig(NamedTuple):
 # NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
 # N=256 on an H200); paste the winners of `python -m bench.tune_decode --only kda` here.
 _KDA_DECODE_NVIDIA: dict[str, KdaDecodeConfig] = {
-    "seqs 1-16": KdaDecodeConfig(block_v=32, num_warps=4),
-    "seqs 17-128": KdaDecodeConfig(block_v=32, num_warps=4),
-    "seqs 129-512": KdaDecodeConfig(block_v=32, num_warps=4),
-    "seqs 513+": KdaDecodeConfig(block_v=32, num_warps=4),
+    # bench/results/tune-decode-nvidia-h200.md (2026-11-29): one warp per 8 value rows won at every N (65.5% of copy
+    # at N=16, 78.4% at 64, 89.2% at 256, 93.3% at 1024; block_v 32 / 4 warps gave 52.9 / 72.3 / 82.3 / 86.8%)
+    "seqs 1-16": KdaDecodeConfig(block_v=8, num_warps=1),
+    "seqs 17-128": KdaDecodeConfig(block_v=8, num_warps=1),
+    "seqs 129-512": KdaDecodeConfig(block_v=8, num_warps=1),
+    "seqs 513+": KdaDecodeConfig(block_v=8, num_warps=1),
 }
 
 
@@ -183,10 +188,12 @@ MOE_GEMM_ROW_CLASSES = ((256, "rows 1-256"), (2048, "rows 257-2048"), (None, "ro
 _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     "rows 1-256": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
                                 down=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)),
-    "rows 257-2048": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
-                                   down=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)),
-    "rows 2049+": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3),
-                                down=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    # bench/results/tune_moe-nvidia-h200.md (2026-11-29): 1.12x the old default at 64 tokens x top-16
+    "rows 257-2048": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
+                                   down=GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)),
+    # 1.10x the old default at 1024 tokens x top-16 (still 0.74x torch._grouped_mm's two GEMMs)
+    "rows 2049+": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                                down=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)),
 }
 
 
