@@ -108,3 +108,14 @@ def test_row_of_pair_inverts_the_sorted_layout():
     local = ((flat >= 0) & (flat < num_experts)).nonzero().flatten()
     assert torch.equal(blocks.sorted_pairs[blocks.row_of_pair[local]], local)
     assert torch.equal(blocks.block_experts[blocks.row_of_pair[local] // block_m], flat[local])
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_every_nvidia_moe_config_fits_shared_memory_in_its_dtype(monkeypatch, element_size):
+    """The tuned bf16 tiles once reached float32 unchanged and asked an H200 for 288 KiB of shared memory."""
+    monkeypatch.setattr(tuning_ops, "target", lambda device: "nvidia")
+    for rows in (1, 256, 257, 2048, 2049, 16384):
+        config = tuning_ops.moe_gemm_config(torch.device("cpu"), rows, element_size)
+        for kind, tile in (("gate_up", config.gate_up), ("down", config.down)):
+            reason = tune_moe.fits(kind, config.block_m, tuple(tile), 232448, element_size)
+            assert reason == "", f"{rows} rows, {kind}, element size {element_size}: {reason}"

@@ -198,7 +198,7 @@ def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: 
 def _experts_chunk(x, w13, w2, weights, expert_ids, activation, situ_beta, situ_linear_beta, expert_offset, out):
     num_experts = w13.shape[0]
     top_k = expert_ids.shape[1]
-    config = moe_gemm_config(x.device, x.shape[0] * top_k)
+    config = moe_gemm_config(x.device, x.shape[0] * top_k, x.element_size())
     blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, config.block_m)
     hidden = gate_up(x, w13, blocks, top_k, activation, situ_beta, situ_linear_beta, config.block_m, config.gate_up)
     rows_out = down(hidden, w2, blocks, config.block_m, config.down)

@@ -197,12 +197,20 @@ _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
 }
 
 
-def moe_gemm_config(device: torch.device, num_rows: int) -> MoeGemmConfig:
+# float32 experts are a conformance path, not a fast one: the bf16 tables' tiles can need twice the shared memory in
+# float32 (block_n 256 asked for 288 KiB on an H200, limit 227 KiB), so float32 gets small tiles that fit anywhere.
+_FLOAT32_GEMM_TILE = GemmConfig(block_n=64, block_k=32, num_warps=4, num_stages=2)
+
+
+def moe_gemm_config(device: torch.device, num_rows: int, element_size: int = 2) -> MoeGemmConfig:
     """The MoE expert GEMM launch parameters for `num_rows` routed rows (tokens x top_k) on `device`."""
     kind = target(device)
     if kind == "interpreter":
         tile = GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1)
         return MoeGemmConfig(block_m=16, gate_up=tile, down=tile)
+    if element_size > 2:
+        block_m = 16 if num_rows <= 256 else 64
+        return MoeGemmConfig(block_m=block_m, gate_up=_FLOAT32_GEMM_TILE, down=_FLOAT32_GEMM_TILE)
     if kind == "amd":
         tile = GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=1)     # 64-lane wavefronts, smaller LDS
         return MoeGemmConfig(block_m=16 if num_rows <= 256 else 64, gate_up=tile, down=tile)
