@@ -45,9 +45,10 @@ CORRECTNESS_ENGINE = dict(page_size=16, checkpoint_interval=32, chunked_prefill_
 DECODE_BATCH, DECODE_CONTEXT, DECODE_STEPS = 32, 2048, 16
 SPEED_ENGINE = dict(page_size=64, checkpoint_interval=1024, chunked_prefill_tokens=8192, prefix_cache=False,
                     max_running_requests=DECODE_BATCH, memory_bytes=12 << 30)
-SMOKE = dict(prompt_lens=(64, 128), decode_batch=3, decode_context=40, decode_steps=3, model="k3-tiny",
+# smoke decode: prefill spans several steps (6 x 40 tokens in chunks of 32), as 32 x 2048 in chunks of 8192 does
+SMOKE = dict(prompt_lens=(64, 128), decode_batch=6, decode_context=40, decode_steps=3, model="k3-tiny",
              engine=dict(page_size=4, checkpoint_interval=16, chunked_prefill_tokens=32, prefix_cache=False,
-                         max_running_requests=4, memory_bytes=64 << 20))
+                         max_running_requests=8, memory_bytes=64 << 20))
 
 
 def _prompts(lengths, vocab: int, seed: int) -> list[list[int]]:
@@ -154,34 +155,57 @@ def correctness(setup_device: str, backend: str, smoke: bool, log) -> dict:
 
 # ---- 2. speed ---------------------------------------------------------------------------------------------------
 class _NoComm:
-    """Collectives replaced by no-ops of the same shapes (timing only: the outputs become meaningless)."""
+    """Collectives replaced by no-ops of the same shapes (timing only: the outputs become meaningless).
+
+    The torch.distributed functions are swapped, not the Communicator's methods: the network binds
+    `comm.tp.all_reduce` when it is built, so patching the group class afterwards changed nothing (the first GPU run
+    measured TP with its all-reduces still in place). `swallowed` counts the calls that did not happen, so a run can
+    show the swap worked. Token broadcasts after sampling stay real: every rank must agree on the next step.
+    """
 
     def __init__(self, comm):
         self.comm = comm
-        self.saved = {}
+        self.swallowed = 0
 
     def __enter__(self):
-        from k3core.parallel import comm as comm_module
-        group_class = comm_module._Group
-        self.saved = {name: getattr(group_class, name) for name in ("all_reduce", "all_gather", "all_gather_varlen")}
-        group_class.all_reduce = lambda group, x: x
-        group_class.all_gather = lambda group, x: [x] * group.size
-        group_class.all_gather_varlen = lambda group, x: [x] * group.size
+        import torch.distributed as dist
+        self.saved = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_to_all_single")}
         self.saved_send, self.saved_recv = self.comm.send, self.comm.recv
+
+        def all_reduce(tensor, *args, **kwargs):
+            self.swallowed += 1
+
+        def all_gather(parts, tensor, *args, **kwargs):
+            self.swallowed += 1
+            for part in parts:                   # a local stand-in for the peers' parts (same shapes, real values)
+                part.copy_(tensor)
+
+        def all_to_all_single(out, inp, *args, **kwargs):
+            self.swallowed += 1
+            if out.shape == inp.shape:
+                out.copy_(inp)
 
         class _Done:
             def wait(self):
                 return None
 
-        # a received stream of noise with a realistic spread (zeros would route every token to the same experts)
-        self.comm.send = lambda tensor, dst: _Done()
-        self.comm.recv = lambda shape, dtype, device, src: torch.randn(shape, device=device).to(dtype)
+        def send(tensor, dst):
+            self.swallowed += 1
+            return _Done()
+
+        def recv(shape, dtype, device, src):
+            self.swallowed += 1
+            # noise with a realistic spread (zeros would route every token to the same experts)
+            return torch.randn(shape, device=device).to(dtype)
+
+        dist.all_reduce, dist.all_gather, dist.all_to_all_single = all_reduce, all_gather, all_to_all_single
+        self.comm.send, self.comm.recv = send, recv
         return self
 
     def __exit__(self, *exc):
-        from k3core.parallel import comm as comm_module
+        import torch.distributed as dist
         for name, fn in self.saved.items():
-            setattr(comm_module._Group, name, fn)
+            setattr(dist, name, fn)
         self.comm.send, self.comm.recv = self.saved_send, self.saved_recv
         return False
 
@@ -208,11 +232,18 @@ def _time_decode(llm, prompts, steps: int, device) -> tuple[float, int]:
     """Seconds per decode step with every request decoding (after all prefills are done), and the batch size."""
     from k3core import SamplingParams
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    # Requests that finish prefill early decode while the others still prefill: max_tokens must outlast every
+    # prefill step too, or the first ones finish inside the timed window (the first GPU run timed 9 of 32).
+    prefill_steps = -(-sum(len(p) for p in prompts) // engine.options.chunked_prefill_tokens) + len(prompts)
+    params = SamplingParams(max_tokens=steps + prefill_steps + 4, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
-    while any(engine.requests[i].num_computed_tokens < len(engine.requests[i].prompt_token_ids) for i in ids
-              if i in engine.requests):
+    for _ in range(2 * prefill_steps + 8):        # bounded: a scheduling surprise must fail, not hang the device call
+        requests = [engine.requests[i] for i in ids]
+        if not any(not r.is_finished and r.num_computed_tokens < len(r.prompt_token_ids) for r in requests):
+            break
         engine.step()
+    else:
+        raise RuntimeError(f"the {len(prompts)} prompts were not prefilled within {2 * prefill_steps + 8} steps")
     engine.step()                                   # first all-decode step (and any lazy setup)
     before = [len(engine.requests[i].output_token_ids) for i in ids]
     _sync(device)
@@ -247,10 +278,12 @@ def _speed_rank(rank: int, plan: ParallelPlan, device, model: str, backend: str,
     if not plan.is_single:
         first = prompt_lens[0]
         prompt = _prompts((first,), vocab, first)[0]
-        with _NoComm(llm.comm):
+        with _NoComm(llm.comm) as nocomm:
             out[f"prefill_{first}_nocomm_s"] = _time_prefill(llm, prompt, device, 2)
+        out["nocomm_swallowed_calls"] = nocomm.swallowed
     prompts = _prompts([decode_context] * decode_batch, vocab, 99)
     out["decode_step_s"], out["decode_batch"] = _time_decode(llm, prompts, decode_steps, device)
+    out["decode_requests"] = decode_batch
     layout = llm.engine.pool.layout
     # MLA KV per token on this GPU (the radix cache counts logical pages of page_size * dcp tokens)
     out["kv_bytes_per_token"] = layout.page_bytes / (layout.page_size * plan.dcp) if layout.page_bytes else 0.0
@@ -304,6 +337,9 @@ def _derive(row: dict, prompt_lens, plan: ParallelPlan) -> None:
         exposed = row[f"prefill_{first}_s"] - row[f"prefill_{first}_nocomm_s"]
         row["exposed_comm_ms_per_1k_prefill_tokens"] = 1000.0 * exposed / first * 1000.0
     row["decode_tok_s"] = row["decode_batch"] / row["decode_step_s"]
+    if row["decode_batch"] != row.get("decode_requests", row["decode_batch"]):
+        row["decode_note"] = (f"only {row['decode_batch']} of {row['decode_requests']} requests decoded through the "
+                              "timed steps: not comparable")
     if row.get("kv_bytes_per_token"):
         row["kv_tokens_per_gib"] = int(2**30 / row["kv_bytes_per_token"])
     row["gpus"] = plan.world_size
@@ -366,8 +402,9 @@ def markdown(report: dict) -> str:
                              " | | |")
                 continue
             exposed = row.get("exposed_comm_ms_per_1k_prefill_tokens")
+            decode = f"{row['decode_tok_s']:.0f}" + (f" ({row['decode_note']})" if "decode_note" in row else "")
             lines.append(f"| {name} | {row['gpus']} | " + " | ".join(f"{row[f'prefill_{n}_tok_s']:.0f}" for n in lens)
-                         + f" | {'-' if exposed is None else f'{exposed:.2f}'} | {row['decode_tok_s']:.0f} | "
+                         + f" | {'-' if exposed is None else f'{exposed:.2f}'} | {decode} | "
                          f"{row.get('kv_tokens_per_gib', '-')} | {row.get('weights_gib', '-')} |")
         lines += ["", "Exposed communication = prefill time with the plan's collectives minus the same prefill with "
                   "them replaced by no-ops of the same shapes; for pp2 it includes the pipeline's fill and drain. "

@@ -24,5 +24,7 @@ def test_parallel_bench_smoke_gates_on_correctness_and_reports_every_plan(tmp_pa
     # DCP is not in the smoke run; PP halves the layers, so the MLA KV per token per rank halves
     assert plans["pp2"]["kv_bytes_per_token"] < plans["1gpu"]["kv_bytes_per_token"]
     assert "exposed_comm_ms_per_1k_prefill_tokens" in plans["tp2"]
+    # the no-comm timing really ran without its collectives (TP all-reduces, PP sends and receives)
+    assert plans["tp2"]["nocomm_swallowed_calls"] > 0 and plans["pp2"]["nocomm_swallowed_calls"] > 0
     markdown = (tmp_path / "parallel-smoke.md").read_text()
     assert "| tp2 | float32 | True |" in markdown
