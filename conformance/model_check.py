@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from datetime import datetime, timezone
 
@@ -63,10 +62,8 @@ def _versions() -> dict:
         info["triton"] = None
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        info["commit"] = None
+    from conformance.report import commit
+    info["commit"] = commit()
     return info
 
 
