@@ -13,7 +13,7 @@ import os
 import torch
 
 VENDORS = ("nvidia", "amd")
-KINDS = ("kda_gate", "kda_intra", "kda_state", "kda_decode", "conv_prefill", "conv_decode")
+KINDS = ("kda_gate", "kda_intra", "kda_state", "conv_prefill", "conv_decode")   # decode-op tables: tuning_ops
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_intra": KernelConfig(num_warps=8, solve_precision="tf32"),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (measured on H200 at T=32K).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
-    "kda_decode": KernelConfig(block_v=32, num_warps=4),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
     "conv_decode": KernelConfig(block_c=256, num_warps=4),
 }
@@ -45,7 +44,6 @@ _AMD: dict[str, KernelConfig] = {
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
     "kda_intra": KernelConfig(num_warps=4, solve_precision="ieee"),
     "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=1),
-    "kda_decode": KernelConfig(block_v=32, num_warps=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=2),
     "conv_decode": KernelConfig(block_c=256, num_warps=2),
 }
