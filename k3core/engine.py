@@ -3,11 +3,17 @@
 `Engine` owns the unified pool, the radix cache and the scheduler of one model replica. `step()` runs one batch
 and returns what each request produced; `run_until_done` drives it for the offline `LLM.generate`, and the
 server calls `step()` from its own engine thread.
+
+With `EngineOptions.cuda_graphs` the engine captures the decode step once at start (one CUDA/HIP graph per batch
+bucket, `k3core.model.graph_decode`) and replays it for every step that is decode only and fits the graphs (batch
+within the largest bucket, every context within `graph_max_context`); every other step runs eagerly.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +34,10 @@ class EngineOptions:
     checkpoint_interval: int = 64
     memory_bytes: int | None = None          # pool arena size; None: memory_fraction of free device memory
     memory_fraction: float = 0.5             # (CPU: of 1 GiB)
+    cuda_graphs: bool = False                # replay decode steps from CUDA/HIP graphs captured at start
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)   # one graph per size; larger batches: eager
+    graph_max_context: int = 32768           # longest context a replayed step holds; longer: eager (every row's
+                                             # page table is this wide, and MLA decode splits that width)
 
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
@@ -41,6 +51,13 @@ class EngineOptions:
              f"({self.page_size})")
         need(self.memory_bytes is None or self.memory_bytes > 0, "memory_bytes must be positive")
         need(0 < self.memory_fraction <= 1, "memory_fraction must be in (0, 1]")
+        sizes = self.graph_batch_sizes
+        need(isinstance(sizes, (tuple, list)) and len(sizes) > 0
+             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes),
+             f"graph_batch_sizes must be a non-empty list of positive batch sizes, got {sizes!r}")
+        self.graph_batch_sizes = tuple(sorted(set(sizes)))
+        need(isinstance(self.graph_max_context, int) and self.graph_max_context >= 2,
+             f"graph_max_context must be at least 2 tokens, got {self.graph_max_context!r}")
 
 
 @dataclass
@@ -54,7 +71,9 @@ class StepOutput:
 
 
 class Engine:
-    def __init__(self, llm, options: EngineOptions):
+    def __init__(self, llm, options: EngineOptions, graph_runner_factory: Callable[..., object] | None = None):
+        """`graph_runner_factory` stands in for the backend's `graph_runner` when cuda_graphs is on (tests inject
+        one that replays by calling the step on its static buffers; leave it None otherwise)."""
         import dataclasses
 
         from k3core.cache import RadixCache
@@ -64,6 +83,8 @@ class Engine:
         self.runner = llm.runner
         self.config = llm.config
         plan = llm.plan
+        if options.cuda_graphs:          # before the pool is allocated: a refused option costs nothing
+            graph_runner_factory = self._graph_runner_factory(graph_runner_factory)
         # Every rank makes the same scheduling decisions, so every rank's pool must have the same block sizes: pad
         # to the stage with the most KDA / MLA layers (pipeline stages differ by at most a layer or two).
         stages = plan.layer_ranges(self.config)
@@ -95,10 +116,15 @@ class Engine:
         if self.config.eos_token_id is not None:
             self.eos_token_ids.add(self.config.eos_token_id)
         self.num_steps = 0
+        self.num_graph_steps = 0                          # steps replayed from a captured decode graph
+        self.closed = False
+        self.graph_decode = self._capture_graphs(graph_runner_factory) if options.cuda_graphs else None
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         params.validate()
+        if self.closed:
+            raise ValueError("the engine is closed; start a new one to serve more requests")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].is_finished:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -108,9 +134,10 @@ class Engine:
                              f"model's maximum context length of {self.config.max_position_embeddings} tokens")
         layout = self.pool.layout
         pages = -(-total // self.page_size)
-        if layout.slot_bytes + pages * layout.page_bytes > self.pool.usage().capacity_bytes:
-            raise ValueError(f"a request of {total} tokens needs more memory than the whole pool holds "
-                             f"({self.pool.usage().capacity_bytes} bytes); lower max_tokens or raise memory_bytes")
+        room = self.pool.usage().capacity_bytes - self.reserved_bytes
+        if layout.slot_bytes + pages * layout.page_bytes > room:
+            raise ValueError(f"a request of {total} tokens needs more memory than the pool holds for requests "
+                             f"({room} bytes); lower max_tokens or raise memory_bytes")
         request = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         if params.seed is not None:
             request.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
@@ -149,7 +176,7 @@ class Engine:
                 slot_position=pool.slot_position(request.working_slot),
                 page_positions=pool.page_positions(request.page_handles),
                 want_logits="last" if chunk.samples else "none"))
-        logits = self.runner.forward(work, pool)                                       # [R, V] or None
+        logits = self._forward(work)                                                   # [R, V] or None
         sampled = [c for c in chunks if c.samples]
         token_ids = self._sample(logits, [c.request for c in sampled]) if sampled else []
         for chunk in chunks:
@@ -159,6 +186,18 @@ class Engine:
         for row, (chunk, token_id) in enumerate(zip(sampled, token_ids)):
             outputs.append(self._append_token(chunk.request, token_id, logits[row] if logits is not None else None))
         return outputs
+
+    def _forward(self, work: list[SeqWork]) -> torch.Tensor | None:
+        """Logits [R, V] of the rows that want them: replayed from a decode graph when the step fits one."""
+        graph = self.graph_decode
+        if graph is None or not graph.accepts(work):
+            return self.runner.forward(work, self.pool)
+        self.num_graph_steps += 1
+        logits = graph.run(work)                                  # [len(work), V], valid until the next replay
+        wanted = [row for row, item in enumerate(work) if item.want_logits != "none"]
+        if len(wanted) == len(work):
+            return logits
+        return logits[torch.tensor(wanted, dtype=torch.int64, device=logits.device)]
 
     def _sample(self, logits: torch.Tensor | None, requests: list[Request]) -> list[int]:
         device = self.llm.device
@@ -255,7 +294,68 @@ class Engine:
         return True
 
     def memory_usage(self):
+        """The pool's usage; with cuda_graphs, one slot and one page of it are the decode graphs' scratch."""
         return self.pool.usage()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Pool bytes the engine holds for itself (the decode graphs' scratch slot and page), never for requests."""
+        if self.graph_decode is None:
+            return 0
+        return self.pool.layout.slot_bytes + self.pool.layout.page_bytes
+
+    # ---- decode graphs --------------------------------------------------------------------------
+    def _graph_runner_factory(self, injected: Callable[..., object] | None) -> Callable[..., object]:
+        """The backend's graph runner; raises when this engine cannot replay graphs (cuda_graphs asked for)."""
+        if not self.runner.plan.is_single:
+            raise ValueError(f"cuda_graphs needs the whole model on one device but the plan is {self.runner.plan}; "
+                             "turn cuda_graphs off under a parallel plan")
+        if injected is not None:
+            return injected
+        from backends.common_graphs import GraphCaptureUnavailable
+        if not torch.cuda.is_available():
+            raise GraphCaptureUnavailable("cuda_graphs needs a CUDA or ROCm GPU and none is visible "
+                                          "(torch.cuda.is_available() is False); turn cuda_graphs off")
+        backend = self.llm.ops.backend
+        factory = None if backend == "torch" else getattr(importlib.import_module(f"backends.{backend}"),
+                                                          "graph_runner", None)
+        if factory is None:
+            raise ValueError(f"backend {backend!r} cannot capture graphs; choose backend cuda or rocm, or turn "
+                             "cuda_graphs off")
+        if self.llm.device.type == "cpu":
+            raise ValueError("cuda_graphs needs the model on the GPU (device 'cuda'), not the CPU")
+        return factory
+
+    def _capture_graphs(self, graph_runner_factory: Callable[..., object]):
+        """Reserve the scratch slot and page and capture one decode graph per batch size; on failure nothing is
+        left reserved."""
+        from k3core.model.graph_decode import GraphDecode
+        pool, options = self.pool, self.options
+        pool_tokens = pool.usage().capacity_bytes // pool.layout.page_bytes * self.page_size
+        max_context = min(options.graph_max_context, self.config.max_position_embeddings, pool_tokens)
+        graph = GraphDecode(self.llm.network, pool, max_context, options.graph_batch_sizes)
+        try:
+            graph.capture(graph_runner_factory)
+        except Exception as exc:
+            graph.close()
+            from backends.common_graphs import GraphCaptureUnavailable
+            if isinstance(exc, (GraphCaptureUnavailable, ValueError)):
+                raise
+            raise RuntimeError(f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); an op that reads "
+                               "tensors on the host cannot be captured (`python -m k3core.backends` lists the chosen "
+                               "providers); turn cuda_graphs off to run eagerly") from exc
+        return graph
+
+    def close(self) -> None:
+        """Abort every unfinished request and give back the decode graphs and their scratch slot and page; the
+        cached prefixes stay in the pool. add_request refuses work afterwards."""
+        for request_id, request in list(self.requests.items()):
+            if not request.is_finished:
+                self.abort(request_id)
+        if self.graph_decode is not None:
+            self.graph_decode.close()
+            self.graph_decode = None
+        self.closed = True
 
     def check_invariants(self) -> None:
         """Pool and cache structure, plus the ownership rules between requests and the cache: every live slot and
@@ -270,6 +370,14 @@ class Engine:
         assert len(owned) == len(set(owned)), "a page is owned by two running requests"
         slots = [r.working_slot for r in running if r.working_slot is not None]
         assert len(slots) == len(set(slots)), "a working slot is held by two requests"
+        scratch_slots, scratch_pages = 0, 0
+        if self.graph_decode is not None:           # the scratch belongs to the graphs alone
+            scratch = self.graph_decode.scratch
+            assert scratch.slot not in slots and scratch.page not in owned, "a request holds the graphs' scratch"
+            assert not any(scratch.page in r.page_handles for r in running), "a request reads the graphs' scratch page"
+            assert cache is None or not (cache.owns_slot(scratch.slot) or cache.owns_page(scratch.page)), (
+                "the cache holds the graphs' scratch")
+            scratch_slots, scratch_pages = 1, 1
         locks = 0
         for request in running:
             name = request.request_id
@@ -312,10 +420,12 @@ class Engine:
         usage = self.pool.usage()
         cached_slots = cache.num_cached_slots if cache is not None else 0
         cached_pages = cache.num_cached_pages if cache is not None else 0
-        assert usage.num_slots == len(slots) + cached_slots, (
-            f"{usage.num_slots} slots live but requests hold {len(slots)} and the cache {cached_slots}: a slot leaked")
-        assert usage.num_pages == len(owned) + cached_pages, (
-            f"{usage.num_pages} pages live but requests own {len(owned)} and the cache {cached_pages}: a page leaked")
+        assert usage.num_slots == len(slots) + cached_slots + scratch_slots, (
+            f"{usage.num_slots} slots live but requests hold {len(slots)}, the cache {cached_slots} and the graphs "
+            f"{scratch_slots}: a slot leaked")
+        assert usage.num_pages == len(owned) + cached_pages + scratch_pages, (
+            f"{usage.num_pages} pages live but requests own {len(owned)}, the cache {cached_pages} and the graphs "
+            f"{scratch_pages}: a page leaked")
         for request in self.scheduler.waiting:
             assert request.status == Status.WAITING, f"request {request.request_id} waits as {request.status}"
             assert request.working_slot is None and not request.page_handles and request.cache_node is None, (

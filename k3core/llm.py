@@ -5,6 +5,9 @@
     llm.prompt_logits([1, 2, 3])            # [3, vocab] float32, one full-sequence forward
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
     outs[0].token_ids                       # the generated tokens only
+
+Further keywords are engine options (`k3core.engine.EngineOptions`), e.g. `LLM("k3-mini", backend="cuda",
+device="cuda", dtype="bf16", cuda_graphs=True)` replays decode steps from CUDA graphs.
 """
 from __future__ import annotations
 

@@ -142,6 +142,18 @@ class GraphDecode:
                 return bucket
         raise ValueError(f"{num_seqs} sequences exceed the largest decode bucket {self.buckets[-1]}; run eagerly")
 
+    @property
+    def max_context(self) -> int:
+        """The most tokens (prefix + the new one) a row of a replayed step may hold: the page table's width."""
+        return self.max_pages * self.page_size
+
+    def accepts(self, work: Sequence[SeqWork]) -> bool:
+        """Whether `run` can take this step: one token per sequence on a non-empty prefix, no more sequences than
+        the largest bucket, every context within `max_context`, and at most the last logits of each wanted."""
+        return (0 < len(work) <= self.buckets[-1]
+                and all(len(w.new_token_ids) == 1 and 0 < w.prefix_len < self.max_context and w.want_logits != "all"
+                        for w in work))
+
     def pack(self, work: Sequence[SeqWork], num_rows: int) -> DecodeInputs:
         return pack_decode_inputs(work, num_rows, self.max_pages, self.page_size,
                                   self.pool.slot_position(self.scratch.slot),

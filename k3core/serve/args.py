@@ -37,6 +37,9 @@ class ServerArgs:
     page_size: int = 16
     checkpoint_interval: int = 64
     disable_prefix_cache: bool = False
+    cuda_graphs: bool = False
+    graph_batch_sizes: str = "1,2,4,8,16,32,64"   # comma-separated; a YAML list is accepted too
+    graph_max_context: int = 32768
     # parallel plan (k3core.parallel): ranks are started by the server itself
     tp: int = 1
     pp: int = 1
@@ -55,7 +58,9 @@ class ServerArgs:
         return dict(prefix_cache=not self.disable_prefix_cache, chunked_prefill_tokens=self.chunked_prefill_tokens,
                     max_running_requests=self.max_running_requests, page_size=self.page_size,
                     checkpoint_interval=self.checkpoint_interval, memory_bytes=self.memory_bytes,
-                    memory_fraction=self.memory_fraction)
+                    memory_fraction=self.memory_fraction, cuda_graphs=self.cuda_graphs,
+                    graph_batch_sizes=parse_batch_sizes(self.graph_batch_sizes),
+                    graph_max_context=self.graph_max_context)
 
     def plan(self):
         from k3core.parallel.plan import ParallelPlan
@@ -104,6 +109,10 @@ _HELP = {
     "page_size": "tokens per MLA page",
     "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size)",
     "disable_prefix_cache": "turn the radix prefix cache off",
+    "cuda_graphs": "replay decode steps from CUDA/HIP graphs captured at start (one GPU, backend cuda or rocm)",
+    "graph_batch_sizes": "batch sizes to capture a decode graph for, comma-separated (larger batches run eagerly)",
+    "graph_max_context": "longest context a replayed decode step holds; longer ones run eagerly (a wider graph "
+                         "packs a wider page table every step and splits MLA decode of short contexts coarser)",
     "tp": "tensor-parallel size (KDA/MLA heads and MLP widths split; all-reduce after row-parallel projections)",
     "pp": "pipeline stages (contiguous layers; prefill cut into micro-chunks that flow through the stages)",
     "dcp": "decode context parallelism: MLA KV split by token position inside the ranks of a stage",
@@ -112,6 +121,14 @@ _HELP = {
     "node_rank": "this node's index among --nnodes",
     "dist_init_addr": "host:port where node 0's first rank listens for the others (required when --nnodes > 1)",
 }
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """"1,2,4" -> (1, 2, 4); raises ValueError with the flag's name on anything else."""
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"--graph-batch-sizes {text!r} must be comma-separated integers, e.g. 1,2,4,8") from None
 
 
 def _flag(name: str) -> str:
@@ -165,6 +182,8 @@ def _coerce(name: str, value: Any) -> Any:
             return value
         if isinstance(default, float):
             return float(value)
+        if name == "graph_batch_sizes" and isinstance(value, list):
+            return ",".join(str(int(v)) for v in value)
         if isinstance(default, int) or name in ("memory_bytes", "context_length", "cpu_threads"):
             as_float = float(value)
             if as_float != int(as_float):
@@ -223,6 +242,8 @@ def check_args(args: ServerArgs) -> str | None:
         return f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}"
     if args.nnodes > 1 and not args.dist_init_addr:
         return "--dist-init-addr HOST:PORT is required when --nnodes > 1"
+    if plan.world_size > 1 and args.cuda_graphs:
+        return "--cuda-graphs needs the whole model on one GPU; drop it under a parallel plan"
     if plan.world_size > 1 and args.memory_bytes is None:
         return "under a parallel plan give --memory-bytes, so that every rank's pool has the same size"
     return None
