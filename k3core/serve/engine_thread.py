@@ -143,6 +143,8 @@ class EngineThread:
             self._abort(request_id)
         if hasattr(self.engine, "shutdown"):       # a DistributedEngine: release the follower ranks
             self.engine.shutdown()
+        elif hasattr(self.engine, "close"):        # the decode graphs' scratch slot and page go back to the pool
+            self.engine.close()
 
     def _warm_up(self) -> None:
         engine, config = self.engine, self.llm.config
@@ -161,7 +163,9 @@ class EngineThread:
             context = min(context, self._context_cap)
         self.info = ModelInfo(self.llm.tokenizer, context, config.vocab_size, self.llm.is_random,
                               engine.options.page_size, layout.slot_bytes, layout.page_bytes,
-                              engine.memory_usage().capacity_bytes, engine.cache is not None)
+                              # what requests may use: the decode graphs' scratch is the engine's own
+                              engine.memory_usage().capacity_bytes - getattr(engine, "reserved_bytes", 0),
+                              engine.cache is not None)
         self._publish()
 
     def _drain_commands(self, block: bool) -> None:
