@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from k3core.sampling_params import SamplingParams
+from k3core.stop import IncrementalDetokenizer
 from k3core.serve.engine_thread import EngineEvent, EngineThread
 
 
@@ -28,10 +29,26 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    _offsets: list[int] = field(default_factory=list)   # text_offset of each token so far (logprobs)
+    _offset_chars: int = 0
+    _offset_detokenizer: Any = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def text_offsets(self, tokenizer: Any, start: int) -> list[int]:
+        """Logprobs' `text_offset` of token_ids[start:]: the characters of output text before each token. Extended
+        incrementally, so each token is decoded once over the request's life instead of the whole output being
+        decoded again for every token. A character still incomplete before a token (a multi-byte UTF-8 character
+        split across tokens) is not counted yet."""
+        if self._offset_detokenizer is None:
+            self._offset_detokenizer = IncrementalDetokenizer(tokenizer)
+        while len(self._offsets) < len(self.token_ids):
+            token_id = self.token_ids[len(self._offsets)]
+            self._offsets.append(self._offset_chars)
+            self._offset_chars += len(self._offset_detokenizer.push([token_id]))
+        return self._offsets[start:]
 
     @property
     def text(self) -> str:

@@ -22,15 +22,15 @@ def _top(entry: dict[int, float], num: int) -> list[tuple[int, float]]:
 
 
 # ---- completions --------------------------------------------------------------------------------
-def completion_logprobs(tokenizer: Any, all_token_ids: list[int], start: int, entries: list[dict[int, float]],
+def completion_logprobs(tokenizer: Any, choice: Choice, start: int, entries: list[dict[int, float]],
                         num: int) -> dict[str, Any]:
-    """Logprobs of the tokens `all_token_ids[start:]`; `text_offset` counts characters of the decoded output."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for position, (token_id, entry) in enumerate(zip(all_token_ids[start:], entries), start):
+    """Logprobs of the tokens `choice.token_ids[start:]`; `text_offset` counts characters of the output text."""
+    tokens, token_logprobs, tops = [], [], []
+    for token_id, entry in zip(choice.token_ids[start:], entries):
         tokens.append(token_text(tokenizer, token_id))
         token_logprobs.append(entry.get(token_id))
         tops.append({token_text(tokenizer, t): v for t, v in _top(entry, num)} if num else None)
-        offsets.append(len(tokenizer.decode(all_token_ids[:position])))
+    offsets = choice.text_offsets(tokenizer, start)[:len(tokens)]
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -39,7 +39,7 @@ def completion_choice(gen: Generation, choice: Choice, text: str, num_new_tokens
     """One choice of a response (all tokens) or of a chunk (the last `num_new_tokens` of the choice)."""
     logprobs = None
     if gen.params.logprobs is not None:
-        logprobs = completion_logprobs(gen.tokenizer, choice.token_ids,
+        logprobs = completion_logprobs(gen.tokenizer, choice,
                                        len(choice.token_ids) - num_new_tokens, entries, gen.params.logprobs)
     return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason if finish else None}
