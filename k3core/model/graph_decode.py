@@ -63,34 +63,44 @@ def release_scratch(pool, scratch: DecodeScratch) -> None:
 
 def pack_decode_inputs(work: Sequence[SeqWork], num_rows: int, max_pages: int, page_size: int,
                        scratch_slot_position: int, scratch_page_position: int) -> DecodeInputs:
-    """Host-side packing of decode work into `num_rows` rows (CPU tensors); rows past len(work) are padding."""
+    """Host-side packing of decode work into `num_rows` rows (CPU tensors); rows past len(work) are padding.
+    Runs every decode step: the per-row work is integer bookkeeping, and the tensors are made once per step."""
     if len(work) > num_rows:
         raise ValueError(f"{len(work)} sequences do not fit a decode step of {num_rows} rows")
-    token_ids = torch.zeros(num_rows, dtype=torch.int64)
-    slots = torch.full((num_rows,), scratch_slot_position, dtype=torch.int64)
-    table = torch.full((num_rows, max_pages), scratch_page_position, dtype=torch.int32)
-    seq_lens = torch.ones(num_rows, dtype=torch.int32)
-    new_page = torch.full((num_rows,), scratch_page_position, dtype=torch.int64)
-    new_offset = torch.zeros(num_rows, dtype=torch.int64)
+    padding = num_rows - len(work)
+    seq_lens, needed_pages, page_rows = [], [], []
     for row, item in enumerate(work):
         if len(item.new_token_ids) != 1 or item.prefix_len < 1:
             raise ValueError(f"row {row} feeds {len(item.new_token_ids)} tokens on a prefix of {item.prefix_len}; "
                              "a decode step feeds exactly one token on a non-empty prefix")
         total = item.prefix_len + 1
         needed = -(-total // page_size)
-        pages = torch.as_tensor(item.page_positions).to(torch.int64)[:needed]
-        if len(pages) < needed:
-            raise ValueError(f"row {row} needs {needed} MLA pages for {total} tokens but holds {len(pages)}")
+        if len(item.page_positions) < needed:
+            raise ValueError(f"row {row} needs {needed} MLA pages for {total} tokens but holds "
+                             f"{len(item.page_positions)}")
         if needed > max_pages:
             raise ValueError(f"row {row} has {total} tokens but the decode step was built for at most "
                              f"{max_pages * page_size}; build it with a larger max_context")
-        token_ids[row] = int(item.new_token_ids[0])
-        slots[row] = item.slot_position
-        table[row, :needed] = pages.to(torch.int32)
-        seq_lens[row] = total
-        new_page[row] = pages[item.prefix_len // page_size]
-        new_offset[row] = item.prefix_len % page_size
-    return DecodeInputs(token_ids, slots, table, seq_lens, new_page, new_offset)
+        seq_lens.append(total)
+        needed_pages.append(needed)
+        page_rows.append(torch.as_tensor(item.page_positions)[:needed])
+    table = torch.full((num_rows, max_pages), scratch_page_position, dtype=torch.int32)
+    if work:
+        counts = torch.tensor(needed_pages)
+        rows = torch.repeat_interleave(torch.arange(len(work)), counts)                  # [sum(needed)]
+        cols = torch.arange(len(rows)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        table[rows, cols] = torch.cat(page_rows).to(torch.int32)
+    prefix = [n - 1 for n in seq_lens] + [0] * padding
+    # the new token's latent goes to the page holding position `prefix` (padding rows: column 0, the scratch page)
+    new_page = table[torch.arange(num_rows), torch.tensor([p // page_size for p in prefix])].to(torch.int64)
+    return DecodeInputs(
+        token_ids=torch.tensor([int(w.new_token_ids[0]) for w in work] + [0] * padding, dtype=torch.int64),
+        slot_positions=torch.tensor([int(w.slot_position) for w in work] + [scratch_slot_position] * padding,
+                                    dtype=torch.int64),
+        page_table=table,
+        seq_lens=torch.tensor(seq_lens + [1] * padding, dtype=torch.int32),
+        new_page=new_page,
+        new_offset=torch.tensor([p % page_size for p in prefix], dtype=torch.int64))
 
 
 def decode_batch(inputs: DecodeInputs, page_size: int) -> ForwardBatch:
