@@ -53,19 +53,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 expert_offset: int = 0) -> torch.Tensor:
     # triton only once the op runs: selecting providers must not import vendor packages
     from kernels.triton.activation import glu_activation  # noqa: PLC0415
-    from kernels.triton.moe_experts import combine_expert_rows  # noqa: PLC0415
+    from kernels.triton.moe_experts import combine_expert_rows, sort_pairs_by_expert  # noqa: PLC0415
     num_tokens, width = x.shape                                    # [T, D]
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     expert_ids = expert_ids.long().contiguous()
-    local = expert_ids.flatten() - expert_offset                   # [P = T*k]
-    on_this_rank = (local >= 0) & (local < num_experts)
-    group = torch.where(on_this_rank, local, num_experts)          # [P]; foreign experts -> past the end
-    sorted_group, order = torch.sort(group, stable=True)           # [P]
-    experts = torch.arange(num_experts, device=x.device)
-    offs = torch.searchsorted(sorted_group, experts, right=True).to(torch.int32)          # [E] end row of each expert
+    _, order, ends = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)   # other ranks' pairs sort last
+    offs = ends.to(torch.int32)                                    # [E] end row of each expert
     row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))  # [P]
     rows = x.index_select(0, order // top_k)                       # [P, D]
     hidden = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)                    # [P, 2I]
