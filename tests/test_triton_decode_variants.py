@@ -6,7 +6,6 @@ NaN-poisoned, cache entries past a request's length are NaN, the page table is s
 """
 from __future__ import annotations
 
-import math
 import os
 import zlib
 
@@ -16,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+
+from test_triton_ops import paged_cache  # noqa: E402  (NaN-filled pages, shuffled table)
 
 from k3core.ops import KdaGateParams
 from kernels.torch import kda as ref_kda
@@ -47,27 +48,10 @@ def _randn(*shape, generator):
     return torch.randn(*shape, dtype=torch.float64, generator=generator).to(torch.float32).to(DEVICE)
 
 
-def _paged_cache(seq_lens, page_size, latent, generator):
-    """NaN-filled pages (only valid entries written, dim 0 strided) and a shuffled table with garbage past the end."""
-    pages_needed = [math.ceil(n / page_size) for n in seq_lens]
-    num_pages = sum(pages_needed) + 3
-    arena = torch.full((2 * num_pages, page_size, latent), float("nan"), device=DEVICE)
-    kv_cache = arena[1::2]
-    free = torch.randperm(num_pages, generator=generator).tolist()
-    page_table = torch.full((len(seq_lens), max(pages_needed) + 2), 10 ** 6, dtype=torch.int32)
-    for b, (n, used) in enumerate(zip(seq_lens, pages_needed)):
-        for j in range(used):
-            page = free.pop()
-            page_table[b, j] = page
-            valid = min(page_size, n - j * page_size)
-            kv_cache[page, :valid] = _randn(valid, latent, generator=generator)
-    return kv_cache, page_table.to(DEVICE)
-
-
 def _mla_case(seq_lens, page_size, v_dim=32, rope_dim=16, heads=3):
     generator = _generator(seq_lens, page_size, v_dim, rope_dim)
     latent = v_dim + rope_dim
-    kv_cache, page_table = _paged_cache(seq_lens, page_size, latent, generator)
+    kv_cache, page_table = paged_cache(seq_lens, page_size, latent, generator)
     q = _randn(len(seq_lens), heads, latent, generator=generator)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     table = page_table.cpu().clamp(max=kv_cache.shape[0] - 1)      # the reference gathers before it masks
