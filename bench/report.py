@@ -9,15 +9,14 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import platform
-import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.timing import Ceilings
+from k3core.provenance import commit_under_test
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ def environment(device: torch.device, smoke: bool) -> dict[str, str]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1 smoke run)"
     return {"device": name, "device_slug": device_slug(device, smoke), "torch": torch.__version__,
             "triton": triton.__version__, "fla": fla_version, "cuda": str(torch.version.cuda),
-            "python": platform.python_version(), "commit": _commit(), "smoke": str(smoke),
+            "python": platform.python_version(), "commit": commit_under_test(), "smoke": str(smoke),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -153,20 +152,6 @@ def device_slug(device: torch.device, smoke: bool) -> str:
         return "cpu-smoke" if smoke else "cpu"
     name = torch.cuda.get_device_name(device).lower().replace("nvidia ", "nvidia-")
     return "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in name).strip("-")
-
-
-def _commit() -> str:
-    """The commit benchmarked: K3CORE_COMMIT (set by scripts/gpu_bench.sh) or `git rev-parse`, '+dirty' if edited."""
-    if os.environ.get("K3CORE_COMMIT"):
-        return os.environ["K3CORE_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              check=False).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, check=False).stdout.strip()
-    except Exception:
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if head and dirty else "")
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -62,8 +62,8 @@ def _versions() -> dict:
         info["triton"] = None
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
-    from conformance.report import commit
-    info["commit"] = commit()
+    from k3core.provenance import commit_under_test
+    info["commit"] = commit_under_test()
     return info
 
 

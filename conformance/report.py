@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
-import subprocess
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import torch
 
 from conformance.runner import CaseResult
+from k3core.provenance import commit_under_test
 
 
 @dataclasses.dataclass
@@ -65,24 +64,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def commit() -> str:
-    """The commit under test: K3CORE_COMMIT when the caller sets it (the device machine's copy of the tree can carry
-    stale git metadata: a GPU run once reported the session's first commit), else `git rev-parse HEAD`."""
-    if os.environ.get("K3CORE_COMMIT"):
-        return os.environ["K3CORE_COMMIT"]
-    try:
-        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        found = ""
-    return found or "unknown"
-
-
 def environment() -> dict[str, str]:
     from backends.common import device_facts  # noqa: PLC0415
     facts = device_facts()
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version(), "device": facts.describe() if facts else "CPU only",
-            "commit": commit()}
+            "commit": commit_under_test()}
 
 
 def write(results: list[CaseResult], path: str | Path, header: dict[str, str]) -> tuple[Path, Path]:
