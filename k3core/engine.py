@@ -10,7 +10,6 @@ within the largest bucket, every context within `graph_max_context`); every othe
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3core.model.batch import SeqWork
+from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
 from k3core.sampling_params import SamplingParams
 from k3core.sched.request import Request, Status
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
@@ -84,7 +84,7 @@ class Engine:
         self.config = llm.config
         plan = llm.plan
         if options.cuda_graphs:          # before the pool is allocated: a refused option costs nothing
-            graph_runner_factory = self._graph_runner_factory(graph_runner_factory)
+            graph_runner_factory = graph_runner_for(llm, graph_runner_factory)
         # Every rank makes the same scheduling decisions, so every rank's pool must have the same block sizes: pad
         # to the stage with the most KDA / MLA layers (pipeline stages differ by at most a layer or two).
         stages = plan.layer_ranges(self.config)
@@ -118,7 +118,12 @@ class Engine:
         self.num_steps = 0
         self.num_graph_steps = 0                          # steps replayed from a captured decode graph
         self.closed = False
-        self.graph_decode = self._capture_graphs(graph_runner_factory) if options.cuda_graphs else None
+        self.graph_decode = None
+        if options.cuda_graphs:
+            pool_tokens = self.pool.usage().capacity_bytes // self.pool.layout.page_bytes * self.page_size
+            self.graph_decode = capture_decode_graphs(
+                llm.network, self.pool, min(options.graph_max_context, self.config.max_position_embeddings,
+                                            pool_tokens), options.graph_batch_sizes, graph_runner_factory)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -303,48 +308,6 @@ class Engine:
         if self.graph_decode is None:
             return 0
         return self.pool.layout.slot_bytes + self.pool.layout.page_bytes
-
-    # ---- decode graphs --------------------------------------------------------------------------
-    def _graph_runner_factory(self, injected: Callable[..., object] | None) -> Callable[..., object]:
-        """The backend's graph runner; raises when this engine cannot replay graphs (cuda_graphs asked for)."""
-        if not self.runner.plan.is_single:
-            raise ValueError(f"cuda_graphs needs the whole model on one device but the plan is {self.runner.plan}; "
-                             "turn cuda_graphs off under a parallel plan")
-        if injected is not None:
-            return injected
-        from backends.common_graphs import GraphCaptureUnavailable
-        if not torch.cuda.is_available():
-            raise GraphCaptureUnavailable("cuda_graphs needs a CUDA or ROCm GPU and none is visible "
-                                          "(torch.cuda.is_available() is False); turn cuda_graphs off")
-        backend = self.llm.ops.backend
-        factory = None if backend == "torch" else getattr(importlib.import_module(f"backends.{backend}"),
-                                                          "graph_runner", None)
-        if factory is None:
-            raise ValueError(f"backend {backend!r} cannot capture graphs; choose backend cuda or rocm, or turn "
-                             "cuda_graphs off")
-        if self.llm.device.type == "cpu":
-            raise ValueError("cuda_graphs needs the model on the GPU (device 'cuda'), not the CPU")
-        return factory
-
-    def _capture_graphs(self, graph_runner_factory: Callable[..., object]):
-        """Reserve the scratch slot and page and capture one decode graph per batch size; on failure nothing is
-        left reserved."""
-        from k3core.model.graph_decode import GraphDecode
-        pool, options = self.pool, self.options
-        pool_tokens = pool.usage().capacity_bytes // pool.layout.page_bytes * self.page_size
-        max_context = min(options.graph_max_context, self.config.max_position_embeddings, pool_tokens)
-        graph = GraphDecode(self.llm.network, pool, max_context, options.graph_batch_sizes)
-        try:
-            graph.capture(graph_runner_factory)
-        except Exception as exc:
-            graph.close()
-            from backends.common_graphs import GraphCaptureUnavailable
-            if isinstance(exc, (GraphCaptureUnavailable, ValueError)):
-                raise
-            raise RuntimeError(f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); an op that reads "
-                               "tensors on the host cannot be captured (`python -m k3core.backends` lists the chosen "
-                               "providers); turn cuda_graphs off to run eagerly") from exc
-        return graph
 
     def close(self) -> None:
         """Abort every unfinished request and give back the decode graphs and their scratch slot and page; the

@@ -14,6 +14,7 @@ change a real row's result.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -190,3 +191,45 @@ class GraphDecode:
     def close(self) -> None:
         self.runner = None
         release_scratch(self.pool, self.scratch)
+
+
+# ---- what the engine calls -----------------------------------------------------------------------------------
+def graph_runner_for(llm, injected: Callable[..., object] | None = None) -> Callable[..., object]:
+    """The graph runner of `llm`'s backend (`backends.<name>.graph_runner`), or `injected` (tests); raises when this
+    model cannot replay graphs, so that cuda_graphs never quietly runs eagerly."""
+    if not llm.plan.is_single:
+        raise ValueError(f"cuda_graphs needs the whole model on one device but the plan is {llm.plan}; "
+                         "turn cuda_graphs off under a parallel plan")
+    if injected is not None:
+        return injected
+    from backends.common_graphs import GraphCaptureUnavailable
+    if not torch.cuda.is_available():
+        raise GraphCaptureUnavailable("cuda_graphs needs a CUDA or ROCm GPU and none is visible "
+                                      "(torch.cuda.is_available() is False); turn cuda_graphs off")
+    backend = llm.ops.backend
+    factory = None if backend == "torch" else getattr(importlib.import_module(f"backends.{backend}"),
+                                                      "graph_runner", None)
+    if factory is None:
+        raise ValueError(f"backend {backend!r} cannot capture graphs; choose backend cuda or rocm, or turn "
+                         "cuda_graphs off")
+    if llm.device.type == "cpu":
+        raise ValueError("cuda_graphs needs the model on the GPU (device 'cuda'), not the CPU")
+    return factory
+
+
+def capture_decode_graphs(network, pool, max_context: int, buckets: Sequence[int],
+                          graph_runner: Callable[..., object]) -> GraphDecode:
+    """Reserve the scratch slot and page and capture one decode graph per bucket; on failure nothing stays
+    reserved."""
+    graph = GraphDecode(network, pool, max_context, buckets)
+    try:
+        graph.capture(graph_runner)
+    except Exception as exc:
+        graph.close()
+        from backends.common_graphs import GraphCaptureUnavailable
+        if isinstance(exc, (GraphCaptureUnavailable, ValueError)):
+            raise
+        raise RuntimeError(f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); an op that reads "
+                           "tensors on the host cannot be captured (`python -m k3core.backends` lists the chosen "
+                           "providers); turn cuda_graphs off to run eagerly") from exc
+    return graph
