@@ -32,7 +32,8 @@ TOLERANCE = {
 # k3-tiny in bf16 on the torch backend: 1 % off float32 after layer 0, 36 % after layer 2). The check therefore
 # runs k3-tiny with every expert selected (top-k = num_experts): routing weights stay continuous, nothing flips.
 # bfloat16 is then held to the torch backend's own bf16 run: its error against the float32 reference may be at
-# most twice the torch bf16 error (measured 4-9 % on this model), plus 1e-2; a wrong kernel is off by O(1).
+# most twice the torch bf16 error (measured 4-32 % on this model: it grows with the prompt length), plus 1e-2;
+# a wrong kernel is off by O(1).
 BF16_FACTOR, BF16_FLOOR = 2.0, 1e-2
 
 
@@ -120,7 +121,7 @@ def write_report(report: dict, path: str) -> None:
              f"{v['date']}", "", "| dtype | worst relative logit error | tolerance | greedy 16 tokens identical | passed |",
              "|---|---|---|---|---|"]
     for r in report["results"]:
-        lines.append(f"| {r['dtype']} | {r['worst_relative_error']:.2e} | {r['tolerance']:.0e} | "
+        lines.append(f"| {r['dtype']} | {r['worst_relative_error']:.2e} | {r['tolerance']:.2g} | "
                      f"{r['greedy_tokens_identical']} | {'yes' if r['passed'] else 'NO'} |")
     with open(path + ".md", "w") as handle:
         handle.write("\n".join(lines) + "\n")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, args.report)
     for r in report["results"]:
         print(f"{args.backend} {r['dtype']}: worst relative logit error {r['worst_relative_error']:.2e} "
-              f"(tolerance {r['tolerance']:.0e}), greedy identical {r['greedy_tokens_identical']}, "
+              f"(tolerance {r['tolerance']:.2g}), greedy identical {r['greedy_tokens_identical']}, "
               f"{'PASSED' if r['passed'] else 'FAILED'}")
     return 0 if all(r["passed"] for r in report["results"]) else 1
 
