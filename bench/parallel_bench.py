@@ -156,6 +156,9 @@ def markdown(report: dict) -> str:
              f"torch {env.get('torch')}, triton {env.get('triton')}, NCCL {env.get('nccl')}, commit "
              f"{env.get('commit')}, {env.get('date')}.", ""]
     corr = report.get("correctness")
+    if corr and corr.get("commit") and corr["commit"] != env.get("commit"):
+        lines += [f"The correctness section is from an earlier run at commit {corr['commit']} ({corr.get('date')}), "
+                  "on the same kind of machine; the speed section is from the run above.", ""]
     if corr and "error" in corr:
         lines += ["## Tokens and logits against one GPU: FAILED to run", "", "```", corr["error"], "```", ""]
     elif corr:
@@ -202,6 +205,8 @@ def markdown(report: dict) -> str:
                 ratios = ", ".join(f"prefill {n}: {row[f'prefill_{n}_tok_s'] / tp[f'prefill_{n}_tok_s']:.2f}x"
                                    for n in lens)
                 lines.append(f"- {name} vs tp2: {ratios}, decode {row['decode_tok_s'] / tp['decode_tok_s']:.2f}x")
+    if report.get("notes"):
+        lines += ["", "## Reading the numbers", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
 

@@ -28,3 +28,16 @@ def test_parallel_bench_smoke_gates_on_correctness_and_reports_every_plan(tmp_pa
     assert plans["tp2"]["nocomm_swallowed_calls"] > 0 and plans["pp2"]["nocomm_swallowed_calls"] > 0
     markdown = (tmp_path / "parallel-smoke.md").read_text()
     assert "| tp2 | float32 | True |" in markdown
+
+
+def test_markdown_says_when_correctness_comes_from_another_commit_and_prints_notes():
+    """A results file merged from two runs must say which commit each section is from."""
+    report = {"environment": {"commit": "bbbbbbb", "date": "d2", "gpus": "2", "smoke": "False"},
+              "correctness": {"commit": "aaaaaaa", "date": "d1", "model": "k3-tiny", "backend": "cuda",
+                              "logit_rtol": 1e-4, "plans": {}},
+              "notes": ["first reading", "second reading"]}
+    text = parallel_bench.markdown(report)
+    assert "earlier run at commit aaaaaaa (d1)" in text
+    assert "- first reading\n- second reading" in text
+    report["correctness"]["commit"] = "bbbbbbb"
+    assert "earlier run" not in parallel_bench.markdown(report)
