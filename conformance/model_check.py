@@ -55,7 +55,8 @@ PROMPT_LENGTHS = (1, 63, 200)
 
 
 def _versions() -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat()}
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -109,7 +110,8 @@ def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -
                         "torch_backend_bf16_error": torch_bf16,
                         "greedy_tokens_identical": same_tokens, "passed": passed,
                         "seconds": time.perf_counter() - start})
-    return {"model": f"{preset} with top-k = all experts", "backend": backend, "device": device, "versions": _versions(), "results": results}
+    return {"model": f"{preset} with top-k = all experts", "backend": backend, "device": device,
+            "versions": _versions(), "results": results}
 
 
 def write_report(report: dict, path: str) -> None:
@@ -118,7 +120,8 @@ def write_report(report: dict, path: str) -> None:
     v = report["versions"]
     lines = [f"# Model-level conformance: {report['model']} on {report['backend']} ({report['device']})", "",
              f"device {v.get('device', 'cpu')}, torch {v['torch']}, triton {v['triton']}, commit {v['commit']}, "
-             f"{v['date']}", "", "| dtype | worst relative logit error | tolerance | greedy 16 tokens identical | passed |",
+             f"{v['date']}", "",
+             "| dtype | worst relative logit error | tolerance | greedy 16 tokens identical | passed |",
              "|---|---|---|---|---|"]
     for r in report["results"]:
         lines.append(f"| {r['dtype']} | {r['worst_relative_error']:.2e} | {r['tolerance']:.2g} | "
