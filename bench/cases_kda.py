@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -63,56 +65,110 @@ def kda_prefill_rows(ctx: BenchContext) -> list[Row]:
             for label, lengths in (SMOKE_PREFILL_SHAPES if ctx.smoke else PREFILL_SHAPES)]
 
 
-def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads: int, dim: int) -> Row:
+@dataclass
+class PrefillInputs:
+    """One KDA prefill batch on the bench shapes: bf16 inputs (float32 in smoke runs), fresh NaN states."""
+    lengths: tuple[int, ...]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f: torch.Tensor
+    beta_logits: torch.Tensor
+    gate: KdaGateParams
+    bounds: list[int]
+    cu32: torch.Tensor
+    state: torch.Tensor
+    slots: torch.Tensor
+    no_init: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        """The positional arguments of kda_prefill."""
+        return (self.q, self.k, self.v, self.f, self.beta_logits, self.gate, self.cu32, self.state, self.slots,
+                self.no_init, self.scale)
+
+
+def prefill_inputs(ctx: BenchContext, lengths: tuple[int, ...], heads: int, dim: int) -> PrefillInputs:
     num_tokens, num_seqs = sum(lengths), len(lengths)
     q, k, f = (ctx.randn(num_tokens, heads, dim) for _ in range(3))              # [T, H, K]
     v = ctx.randn(num_tokens, heads, dim)                                         # [T, H, V]
     beta_logits = ctx.randn(num_tokens, heads)                                    # [T, H]
     gate = _gate(ctx, heads, dim)
     bounds = [0, *itertools.accumulate(lengths)]
-    cu32 = torch.tensor(bounds, dtype=torch.int32, device=ctx.device)
     # has_initial_state is False, so the NaN in the state must never be read; every slot must be overwritten
     state = torch.full((num_seqs, heads, dim, dim), float("nan"), dtype=torch.float32, device=ctx.device)
-    slots = torch.arange(num_seqs, device=ctx.device)
-    no_init = torch.zeros(num_seqs, dtype=torch.bool, device=ctx.device)
-    scale = dim ** -0.5
-    element = q.element_size()
+    return PrefillInputs(lengths, q, k, v, f, beta_logits, gate, bounds,
+                         torch.tensor(bounds, dtype=torch.int32, device=ctx.device), state,
+                         torch.arange(num_seqs, device=ctx.device),
+                         torch.zeros(num_seqs, dtype=torch.bool, device=ctx.device), dim ** -0.5)
+
+
+class PrefillReference(NamedTuple):
+    output: torch.Tensor           # float64 outputs of the first `used` tokens
+    state: torch.Tensor            # float64 final states of the first `whole` sequences (and a cut one)
+    used: int
+    whole: int
+
+
+def prefill_reference(ctx: BenchContext, x: PrefillInputs) -> PrefillReference:
+    """The float64 reference on at most REF_TOKENS leading tokens of the batch (all of them in smoke runs)."""
+    taken, whole = _reference_prefix(x.lengths, sum(x.lengths) if ctx.smoke else REF_TOKENS)
+    used = sum(taken)
+    heads, dim = x.q.shape[1:]
+    ref_state = torch.zeros(len(taken), heads, dim, dim, dtype=torch.float64, device=ctx.device)
+    reference = load("kernels.torch.kda:kda_prefill")
+    ref = reference(x.q[:used].double(), x.k[:used].double(), x.v[:used].double(), x.f[:used].double(),
+                    x.beta_logits[:used].double(), _gate64(x.gate),
+                    torch.tensor([0, *itertools.accumulate(taken)], dtype=torch.int32, device=ctx.device),
+                    ref_state, torch.arange(len(taken), device=ctx.device),
+                    torch.zeros(len(taken), dtype=torch.bool, device=ctx.device), x.scale)
+    return PrefillReference(ref.output, ref_state, used, whole)
+
+
+def prefill_checks(ctx: BenchContext, x: PrefillInputs, ref: PrefillReference, output: torch.Tensor,
+                   who: str = "") -> list[Check]:
+    """`output` against the reference; the final states too unless `who` names an anchor (it keeps its own)."""
+    tol = ctx.tolerance(PREFILL_TOL)
+    checks = [check(output[:ref.used], ref.output, tol, f"{who}output, first {ref.used} tokens", full=output)]
+    if not who:
+        checks.append(check(x.state[:ref.whole], ref.state[:ref.whole], tol,
+                            f"final state of {ref.whole} whole sequences", full=x.state))
+    return checks
+
+
+def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads: int, dim: int) -> Row:
+    x = prefill_inputs(ctx, lengths, heads, dim)
+    num_tokens, num_seqs = sum(lengths), len(lengths)
+    element = x.q.element_size()
     row = Row("kda_prefill", label, "k3core triton kda_prefill", FLA_PREFILL,
               flops=prefill_flops(num_tokens, heads, dim, dim),
               bytes=float(num_tokens * heads * (4 * dim + dim + 1) * element + num_seqs * heads * dim * dim * 4))
     kernel = load("kernels.triton.kda_prefill:kda_prefill")
 
     def ours():
-        return kernel(q, k, v, f, beta_logits, gate, cu32, state, slots, no_init, scale)
+        return kernel(*x.args())
 
-    poison_allocator(ctx.device, v.numel() * element)
+    poison_allocator(ctx.device, x.v.numel() * element)
     output = ours().output                                                        # [T, H, V]
-    taken, whole = _reference_prefix(lengths, num_tokens if ctx.smoke else REF_TOKENS)
-    used = sum(taken)
-    ref_state = torch.zeros(len(taken), heads, dim, dim, dtype=torch.float64, device=ctx.device)
-    reference = load("kernels.torch.kda:kda_prefill")
-    ref = reference(q[:used].double(), k[:used].double(), v[:used].double(), f[:used].double(),
-                    beta_logits[:used].double(), _gate64(gate),
-                    torch.tensor([0, *itertools.accumulate(taken)], dtype=torch.int32, device=ctx.device),
-                    ref_state, torch.arange(len(taken), device=ctx.device),
-                    torch.zeros(len(taken), dtype=torch.bool, device=ctx.device), scale)
-    tol = ctx.tolerance(PREFILL_TOL)
-    row.checks.append(check(output[:used], ref.output, tol, f"output, first {used} tokens", full=output))
-    row.checks.append(check(state[:whole], ref_state[:whole], tol, f"final state of {whole} whole sequences",
-                            full=state))
+    ref = prefill_reference(ctx, x)
+    row.checks += prefill_checks(ctx, x, ref, output)
     if row.passed:                    # inputs are far larger than L2: no rotation needed
         timing = ctx.timer.time(ours)
         row.ours_ms, row.timing = timing.ms, timing.method
 
     row.anchor_unavailable = fla_unavailable(ctx)
     if not row.anchor_unavailable:
-        anchor = _fla_prefill(q, k, v, f, beta_logits, gate, bounds, scale, ctx.device)
-        poison_allocator(ctx.device, v.numel() * element)
+        anchor = fla_prefill(x)
+        poison_allocator(ctx.device, x.v.numel() * element)
         fla_out = anchor()[0][0]                                                  # [T, H, V]
-        row.anchor_checks.append(check(fla_out[:used], ref.output, tol, f"fla output, first {used} tokens",
-                                       full=fla_out))
+        row.anchor_checks += prefill_checks(ctx, x, ref, fla_out, who="fla ")
         row.anchor_ms = ctx.timer.time(anchor).ms
     return row
+
+
+def fla_prefill(x: PrefillInputs):
+    """fla's chunk_kda on the same inputs, as a zero-argument call (the anchor of target 1)."""
+    return _fla_prefill(x.q, x.k, x.v, x.f, x.beta_logits, x.gate, x.bounds, x.scale, x.q.device)
 
 
 def _fla_prefill(q, k, v, f, beta_logits, gate: KdaGateParams, bounds: list[int], scale: float, device):

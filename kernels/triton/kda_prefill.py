@@ -16,7 +16,7 @@ from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
-from kernels.triton.tuning import is_interpreted, kernel_config, pow2_at_least
+from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
@@ -94,6 +94,21 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     chunk_size (keyword only, a power of two >= 16) exists for tests under the interpreter; any
     checkpoint_interval >= 0 works (chunks are also cut at its multiples).
     """
+    launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
+                                         has_initial_state, scale, checkpoint_interval, chunk_size=chunk_size)
+    if launch is not None:
+        launch.intra()
+        launch.state()
+    return result
+
+
+def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+                        beta_logits: torch.Tensor, gate: KdaGateParams, cu_seqlens: torch.Tensor,
+                        state: torch.Tensor, slot_ids: torch.Tensor, has_initial_state: torch.Tensor, scale: float,
+                        checkpoint_interval: int = 0, *, chunk_size: int = 64
+                        ) -> tuple[PrefillLaunch | None, KdaPrefillOut]:
+    """Check the inputs, cut the batch and allocate everything; launch nothing. The result's tensors are filled
+    once the launch (None for an empty batch) has run intra() then state()."""
     if checkpoint_interval < 0:
         raise ValueError(f"kda_prefill: checkpoint_interval must be >= 0, got {checkpoint_interval}")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -104,56 +119,85 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     num_seqs = len(bounds) - 1
     _check_inputs(q, k, v, f, beta_logits, state, slots, num_seqs, bounds[-1])
     num_tokens, num_heads, k_dim = q.shape
-    v_dim = v.shape[-1]
     device = q.device
     a_log, dt_bias = gate_tensors(gate, num_heads, k_dim, device)
     plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device)
-    num_ckpts = len(plan.ckpt_lengths)
-
-    output = torch.empty(num_tokens, num_heads, v_dim, dtype=v.dtype, device=device)
-    ckpt_states = torch.empty(num_ckpts, num_heads, v_dim, k_dim, dtype=torch.float32, device=device)
+    output = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=v.dtype, device=device)
+    ckpt_states = torch.empty(len(plan.ckpt_lengths), num_heads, v.shape[-1], k_dim, dtype=torch.float32,
+                              device=device)
     as_index = dict(dtype=torch.int64, device=device)
     result = KdaPrefillOut(output, ckpt_states, torch.tensor(plan.ckpt_seq_ids, **as_index),
                            torch.tensor(plan.ckpt_lengths, **as_index))
     if num_seqs == 0:
-        return result
+        return None, result
+    return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, bounds, slot_ids,
+                         has_initial_state, state, output, ckpt_states, float(scale), checkpoint_interval,
+                         chunk_size), result
 
-    q, k, v, f, beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
-    # Intermediates in the input precision when it is 16-bit (tensor-core operands), float32 otherwise.
-    work_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    num_chunks = plan.chunk_len.numel()
-    block_k = pow2_at_least(k_dim)
-    block_v_full = pow2_at_least(v_dim)
-    intra = kernel_config("kda_intra")
-    sub_chunk = min(intra.sub_chunk, chunk_size)
-    dense = form == 1 and (sub_chunk - 1) * abs(gate.lower_bound) <= MAX_DENSE_EXPONENT
-    # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast solve setting.
-    precision = intra.solve_precision if work_dtype != torch.float32 else "ieee"
-    w = torch.empty(num_tokens, num_heads, k_dim, dtype=work_dtype, device=device)       # T (beta k exp G)
-    qg = torch.empty_like(w)                                                            # q exp G
-    kd = torch.empty_like(w)                                                            # k exp(G_last - G)
-    u0 = torch.empty(num_tokens, num_heads, v_dim, dtype=work_dtype, device=device)     # T (beta v)
-    aqk = torch.empty(num_tokens, num_heads, chunk_size, dtype=work_dtype, device=device)
-    decay = torch.empty(num_chunks, num_heads, k_dim, dtype=torch.float32, device=device)  # exp(G_last)
-    if num_chunks > 0:
-        kda_chunk_intra_kernel[(num_chunks, num_heads)](
-            q, k, v, f, beta_logits, a_log, dt_bias, plan.chunk_start, plan.chunk_len,
-            w, u0, qg, kd, aqk, decay, float(gate.lower_bound),
-            H=num_heads, K=k_dim, V=v_dim, BT=chunk_size, BK=block_k, BVF=block_v_full, SUB=sub_chunk,
-            FORM=form, DENSE=dense, PRECISION=precision,
-            num_warps=intra.num_warps, num_stages=intra.num_stages)
 
-    state_cfg = kernel_config("kda_state")
-    block_v = min(pow2_at_least(state_cfg.block_v), block_v_full)
-    cu32 = torch.tensor(bounds, dtype=torch.int32, device=device)
-    slots_dev = slot_ids.to(device=device, dtype=torch.int64)
-    has_init = has_initial_state.to(device=device, dtype=torch.int32)
-    grid = (triton.cdiv(v_dim, block_v), num_heads, num_seqs)
-    kda_chunk_state_kernel[grid](
-        w, u0, qg, kd, aqk, decay, output, state, state.stride(0), slots_dev, has_init,
-        cu32, plan.seq_chunk, plan.chunk_start, plan.chunk_len,
-        ckpt_states, plan.seq_ckpt, max(checkpoint_interval, 1), float(scale),
-        H=num_heads, K=k_dim, V=v_dim, BT=chunk_size, BK=block_k, BV=block_v,
-        CHECKPOINTS=checkpoint_interval > 0, INTERPRETED=is_interpreted(), PRECISION=precision,
-        num_warps=state_cfg.num_warps, num_stages=state_cfg.num_stages)
-    return result
+class PrefillLaunch:
+    """The two passes of one kda_prefill call with their workspace, launchable one at a time.
+
+    kda_prefill runs intra() then state() with the vendor's table configs. A tuning sweep
+    (`bench.tune_prefill`) times each pass on its own with other configs; state() reads the workspace
+    intra() wrote, so run intra() once first.
+    """
+
+    def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
+                 bounds: list[int], slot_ids, has_initial_state, state, output, ckpt_states, scale: float,
+                 checkpoint_interval: int, chunk_size: int):
+        self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
+        self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
+        self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
+        self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
+        num_tokens, self.num_heads, self.k_dim = q.shape
+        self.v_dim = v.shape[-1]
+        self.num_seqs = len(bounds) - 1
+        device = q.device
+        # Intermediates in the input precision when it is 16-bit (tensor-core operands), float32 otherwise.
+        self.work_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        self.num_chunks = plan.chunk_len.numel()
+        work = dict(dtype=self.work_dtype, device=device)
+        self.w = torch.empty(num_tokens, self.num_heads, self.k_dim, **work)   # T (beta k exp G)
+        self.qg = torch.empty_like(self.w)                                     # q exp G
+        self.kd = torch.empty_like(self.w)                                     # k exp(G_last - G)
+        self.u0 = torch.empty(num_tokens, self.num_heads, self.v_dim, **work)  # T (beta v)
+        self.aqk = torch.empty(num_tokens, self.num_heads, chunk_size, **work)
+        self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
+                                 device=device)                                # exp(G_last)
+        self.cu32 = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.slots = slot_ids.to(device=device, dtype=torch.int64)
+        self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
+
+    def _precision(self, config: KernelConfig) -> str:
+        # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
+        return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
+
+    def intra(self, config: KernelConfig | None = None) -> None:
+        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace."""
+        if self.num_chunks == 0:
+            return
+        config = config or kernel_config("kda_intra")
+        sub_chunk = min(config.sub_chunk, self.chunk_size)
+        dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
+        kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
+            self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
+            self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
+            float(self.gate.lower_bound),
+            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
+            BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
+            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def state(self, config: KernelConfig | None = None) -> None:
+        """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints."""
+        config = config or kernel_config("kda_state")
+        block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
+        grid = (triton.cdiv(self.v_dim, block_v), self.num_heads, self.num_seqs)
+        kda_chunk_state_kernel[grid](
+            self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, self.state_tensor,
+            self.state_tensor.stride(0), self.slots, self.has_init, self.cu32, self.plan.seq_chunk,
+            self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, self.plan.seq_ckpt,
+            max(self.checkpoint_interval, 1), self.scale,
+            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
+            BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
+            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,249 @@
+"""Where KDA chunked prefill spends its time, pass by pass, and a sweep of each pass's launch configs.
+
+    python -m bench.tune_prefill [--out DIR]                 # on an H200: three shapes, about 4 minutes at most
+    TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
+
+kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
+`state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
+shapes but the 128K one (32K has the same form), this times the whole op, each pass alone with the table configs,
+and fla's chunk_kda where fla is installed, all on the same inputs. Then each pass is swept on its own over
+(num_warps, num_stages) and, for `state`, the value block. Every trial first runs on NaN-filled workspace and
+outputs, and the op's output and final states are checked against the float64 reference (bench/cases_kda); only a
+config that compiled and passed is timed (do_bench median, the sweep's short budget). Configs past the time budget
+are listed as skipped. Results: tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with
+the lines to paste into `_NVIDIA` in kernels/triton/tuning.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.cases_kda import (
+    HEAD_DIM,
+    HEADS,
+    PREFILL_SHAPES,
+    SMOKE_HEAD_DIM,
+    SMOKE_HEADS,
+    SMOKE_PREFILL_SHAPES,
+    fla_prefill,
+    prefill_checks,
+    prefill_inputs,
+    prefill_reference,
+)
+from bench.context import fla_unavailable, make_context
+from bench.report import environment, poison_allocator
+from bench.tune_decode import SweepTimer
+from kernels.triton.kda_prefill import PrefillLaunch, kda_prefill, prepare_kda_prefill
+from kernels.triton.tuning import KernelConfig, kernel_config
+
+TIME_BUDGET_S = 240.0
+SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
+INTRA_GRID = tuple((warps, stages) for warps in (4, 8, 16) for stages in (1, 2, 3))
+STATE_GRID = tuple((block_v, warps, stages) for block_v in (16, 32, 64) for warps in (2, 4, 8)
+                   for stages in (1, 2, 3, 4))
+SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1), (2, 1)), ((8, 1, 1), (16, 1, 1))
+
+
+@dataclasses.dataclass
+class Trial:
+    shape: str
+    kernel: str                  # "intra", "state", "whole op", "fla"
+    config: dict
+    status: str = "ok"           # "ok", "wrong: ...", "error: ...", "skipped: ..."
+    ms: float | None = None
+    error: float | None = None   # worst relative error of the checks
+
+
+def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
+    intra, state = kernel_config("kda_intra"), kernel_config("kda_state")
+    intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
+    state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
+    return ([dataclasses.replace(intra, num_warps=w, num_stages=s) for w, s in intra_grid],
+            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s) for b, w, s in state_grid])
+
+
+def _config_dict(kind: str, config: KernelConfig) -> dict:
+    keys = ("num_warps", "num_stages", "solve_precision") if kind == "intra" else ("block_v", "num_warps",
+                                                                                    "num_stages")
+    return {key: getattr(config, key) for key in keys}
+
+
+def _poison(launch: PrefillLaunch, workspace: bool) -> None:
+    tensors = [launch.output, launch.state_tensor]
+    if workspace:
+        tensors += [launch.w, launch.qg, launch.kd, launch.u0, launch.aqk, launch.decay]
+    for tensor in tensors:
+        tensor.fill_(float("nan"))
+
+
+def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int, deadline: float,
+                log: Callable[[Trial], None]) -> list[Trial]:
+    x = prefill_inputs(ctx, lengths, heads, dim)
+    ref = prefill_reference(ctx, x)
+    launch, _ = prepare_kda_prefill(*x.args())
+    trials: list[Trial] = []
+
+    def record(trial: Trial) -> Trial:
+        trials.append(trial)
+        log(trial)
+        return trial
+
+    def attempt(kind: str, config: KernelConfig | None, run: Callable[[], torch.Tensor],
+                timed: Callable[[], object]) -> Trial:
+        """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed."""
+        trial = Trial(label, kind, _config_dict(kind, config) if config else {})
+        if time.perf_counter() > deadline:
+            trial.status = "skipped: past the time budget"
+            return record(trial)
+        try:
+            checks = prefill_checks(ctx, x, ref, run(), who="" if kind != "fla" else "fla ")
+            trial.error = max(c.error for c in checks)
+            failed = [c.describe() for c in checks if not c.ok]
+            if failed:
+                trial.status = "wrong: " + "; ".join(failed)
+                return record(trial)
+            trial.ms = ctx.timer.time(timed).ms
+        except Exception as exc:                       # a config that does not compile is a result, not a crash
+            trial.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            traceback.print_exc(limit=1)
+        return record(trial)
+
+    def whole():
+        return kda_prefill(*x.args())
+
+    def poisoned_whole() -> torch.Tensor:
+        x.state.fill_(float("nan"))
+        poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
+        return whole().output
+
+    def poisoned(workspace: bool, *steps: Callable[[], object]) -> torch.Tensor:
+        _poison(launch, workspace)
+        for step in steps:
+            step()
+        return launch.output
+
+    attempt("whole op", None, poisoned_whole, whole)
+    if not fla_unavailable(ctx):
+        anchor = fla_prefill(x)
+        attempt("fla", None, lambda: anchor()[0][0], anchor)
+    intra_grid, state_grid = _configs(ctx.smoke)
+    for config in [kernel_config("kda_intra")] + intra_grid:
+        attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
+                lambda c=config: launch.intra(c))
+    launch.intra()                                     # the table config's workspace for the state sweep
+    for config in [kernel_config("kda_state")] + state_grid:
+        attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
+                lambda c=config: launch.state(c))
+    return trials
+
+
+def summary(trials: list[Trial]) -> list[dict]:
+    rows = []
+    for shape in dict.fromkeys(t.shape for t in trials):
+        mine = [t for t in trials if t.shape == shape]
+
+        def first(kind: str) -> Trial | None:
+            return next((t for t in mine if t.kernel == kind), None)
+
+        def best(kind: str) -> Trial | None:
+            timed = [t for t in mine if t.kernel == kind and t.ms is not None]
+            return min(timed, key=lambda t: t.ms) if timed else None
+
+        row = {"shape": shape, "whole_ms": getattr(first("whole op"), "ms", None),
+               "fla_ms": getattr(first("fla"), "ms", None),
+               "intra_default_ms": getattr(first("intra"), "ms", None),
+               "state_default_ms": getattr(first("state"), "ms", None),
+               "intra_best": dataclasses.asdict(best("intra")) if best("intra") else None,
+               "state_best": dataclasses.asdict(best("state")) if best("state") else None}
+        if row["intra_best"] and row["state_best"]:
+            row["best_sum_ms"] = row["intra_best"]["ms"] + row["state_best"]["ms"]
+        rows.append(row)
+    return rows
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def markdown(rows: list[dict], trials: list[Trial], env: dict) -> str:
+    shape_text = (f"{SMOKE_HEADS} heads, K = V = {SMOKE_HEAD_DIM}, float32 (smoke)" if env.get("smoke") == "True"
+                  else f"{HEADS} heads, K = V = {HEAD_DIM}, bf16 inputs, float32 state")
+    lines = [f"# KDA prefill: time per pass and launch-config sweep ({env.get('device')})", "",
+             f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, commit "
+             f"{env.get('commit')}, {env.get('date')}. {shape_text}; every timed config passed the float64 "
+             "check first.", "",
+             "| shape | whole op ms | fla ms | intra ms (table) | state ms (table) | best intra | best state | "
+             "best sum ms | fla / best sum |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ib, sb = r["intra_best"], r["state_best"]
+        ratio = (f"{r['fla_ms'] / r['best_sum_ms']:.2f}x" if r.get("best_sum_ms") and r["fla_ms"] else "-")
+        lines.append(f"| {r['shape']} | {_ms(r['whole_ms'])} | {_ms(r['fla_ms'])} | {_ms(r['intra_default_ms'])} | "
+                     f"{_ms(r['state_default_ms'])} | {_ms(ib and ib['ms'])} {ib and ib['config']} | "
+                     f"{_ms(sb and sb['ms'])} {sb and sb['config']} | {_ms(r.get('best_sum_ms'))} | {ratio} |")
+    lines += ["", "Every trial (the first intra and state rows of a shape are the table configs):", "",
+              "| shape | kernel | config | ms | worst rel err | status |", "|---|---|---|---|---|---|"]
+    for t in trials:
+        error = "-" if t.error is None else f"{t.error:.1e}"
+        lines.append(f"| {t.shape} | {t.kernel} | {t.config} | {_ms(t.ms)} | {error} | {t.status} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes and grid")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S)
+    args = parser.parse_args(argv)
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
+                         "starts: run `TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke`")
+    started = time.perf_counter()
+    ctx = make_context(args.smoke)
+    ctx.timer = SweepTimer(ctx.device)
+    heads, dim = (SMOKE_HEADS, SMOKE_HEAD_DIM) if args.smoke else (HEADS, HEAD_DIM)
+    shapes = SMOKE_PREFILL_SHAPES if args.smoke else SHAPES
+    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(ctx.device, args.smoke)
+    stem = f"tune-prefill-{'smoke' if args.smoke else env.get('device_slug', 'gpu')}"
+    trials: list[Trial] = []
+
+    def log(t: Trial) -> None:
+        print(f"{t.shape:>14} {t.kernel:>8} {str(t.config):60} {_ms(t.ms):>8} ms  {t.status[:100]}", flush=True)
+
+    def write() -> list[dict]:
+        rows = summary(trials)
+        (out_dir / f"{stem}.json").write_text(json.dumps({"environment": env, "summary": rows,
+                                                          "trials": [dataclasses.asdict(t) for t in trials]},
+                                                         indent=1))
+        (out_dir / f"{stem}.md").write_text(markdown(rows, trials, env))
+        return rows
+
+    with torch.inference_mode():
+        for index, (label, lengths) in enumerate(shapes):
+            # an even share of what is left, so a slow first shape cannot starve the others
+            deadline = time.perf_counter() + (started + args.budget_s - time.perf_counter()) / (len(shapes) - index)
+            trials += sweep_shape(ctx, label, lengths, heads, dim, deadline, log)
+            write()
+    rows = write()
+    print(f"\nwrote {out_dir / stem}.json and .md ({time.perf_counter() - started:.0f} s)")
+    print(markdown(rows, [], env).split("Every trial")[0])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    rows = run(argv)
+    return 0 if all(r["intra_best"] and r["state_best"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The KDA prefill sweep's plumbing (`--smoke`, CPU interpreter) and its gate: a config whose output is wrong, or
+that raises, is recorded as such, never timed, never picked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import tune_prefill
+from kernels.triton.kda_prefill import PrefillLaunch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU path; the GPU run is "
+                                                                   "`python -m bench.tune_prefill`")
+
+
+def _run(tmp_path, *extra: str) -> dict:
+    tune_prefill.run(["--smoke", "--out", str(tmp_path), *extra])
+    (json_path,) = tmp_path.glob("tune-prefill-*.json")
+    assert json_path.with_suffix(".md").exists()
+    return json.loads(json_path.read_text())
+
+
+def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
+    result = _run(tmp_path)
+    assert [r["shape"] for r in result["summary"]] == [label for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES]
+    for row in result["summary"]:
+        assert row["whole_ms"] > 0 and row["intra_default_ms"] > 0 and row["state_default_ms"] > 0
+        mine = [t for t in result["trials"] if t["shape"] == row["shape"]]
+        # the table config first, then the grid, every one checked and timed
+        assert len([t for t in mine if t["kernel"] == "intra"]) == 1 + len(tune_prefill.SMOKE_INTRA_GRID)
+        assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
+        assert all(t["status"] == "ok" and t["error"] < 1e-4 for t in mine)
+        for kind in ("intra", "state"):
+            assert row[f"{kind}_best"]["ms"] == min(t["ms"] for t in mine if t["kernel"] == kind)
+    assert tune_prefill.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+
+def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_path, monkeypatch):
+    real_state, real_intra = PrefillLaunch.state, PrefillLaunch.intra
+
+    def state(self, config=None):
+        real_state(self, config)
+        if config is not None and config.block_v == 8:
+            self.output.mul_(1.01)                   # a subtly wrong kernel
+
+    def intra(self, config=None):
+        if config is not None and config.num_warps == 2:
+            raise RuntimeError("out of resources (simulated)")
+        real_intra(self, config)
+
+    monkeypatch.setattr(PrefillLaunch, "state", state)
+    monkeypatch.setattr(PrefillLaunch, "intra", intra)
+    result = _run(tmp_path)
+    wrong = [t for t in result["trials"] if t["kernel"] == "state" and t["config"]["block_v"] == 8]
+    failed = [t for t in result["trials"] if t["kernel"] == "intra" and t["config"]["num_warps"] == 2]
+    assert wrong and all(t["status"].startswith("wrong: output") and t["ms"] is None for t in wrong)
+    assert failed and all(t["status"] == "error: RuntimeError: out of resources (simulated)" and t["ms"] is None
+                          for t in failed)
+    for row in result["summary"]:
+        assert row["state_best"]["config"]["block_v"] != 8 and row["intra_best"]["config"]["num_warps"] != 2
+
+
+def test_time_budget_skips_what_is_left(tmp_path):
+    result = _run(tmp_path, "--budget-s", "0")
+    assert result["trials"] and all(t["status"].startswith("skipped") for t in result["trials"])
+    assert tune_prefill.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)]) == 1
