@@ -1,6 +1,6 @@
 """Where KDA chunked prefill spends its time, pass by pass, and a sweep of each pass's launch configs.
 
-    python -m bench.tune_prefill [--out DIR]                 # on an H200: three shapes, about 4 minutes at most
+    python -m bench.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
     TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
 
 kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
@@ -11,7 +11,7 @@ and fla's chunk_kda where fla is installed, all on the same inputs. Then each pa
 outputs, and the op's output and final states are checked against the float64 reference (bench/cases_kda); only a
 config that compiled and passed is timed (do_bench median, the sweep's short budget). Configs past the time budget
 are listed as skipped. Results: tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with
-the lines to paste into `_NVIDIA` in kernels/triton/tuning.py.
+the best config of each pass per shape (the table is `_NVIDIA` in kernels/triton/tuning.py).
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ from kernels.triton.tuning import KernelConfig, kernel_config
 TIME_BUDGET_S = 240.0
 SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
 INTRA_GRID = tuple((warps, stages) for warps in (4, 8, 16) for stages in (1, 2, 3))
-STATE_GRID = tuple((block_v, warps, stages) for block_v in (16, 32, 64) for warps in (2, 4, 8)
-                   for stages in (1, 2, 3, 4))
+# 3 and 4 stages never beat 2 in the first H200 sweep (tune-prefill-nvidia-h200.md, 64 x 512)
+STATE_GRID = tuple((block_v, warps, stages) for block_v in (16, 32, 64) for warps in (2, 4, 8) for stages in (1, 2))
+PASSES = ("intra", "state")
 SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1), (2, 1)), ((8, 1, 1), (16, 1, 1))
 
 
@@ -85,12 +86,15 @@ def _poison(launch: PrefillLaunch, workspace: bool) -> None:
         tensor.fill_(float("nan"))
 
 
-def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int, deadline: float,
-                log: Callable[[Trial], None]) -> list[Trial]:
+def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int, budget_s: float,
+                passes: tuple[str, ...], log: Callable[[Trial], None]) -> list[Trial]:
+    """Set up (inputs, float64 reference), then time the whole op, fla and each pass; budget_s counts from
+    the end of the set-up, so slow input generation cannot starve the sweep."""
     x = prefill_inputs(ctx, lengths, heads, dim)
     ref = prefill_reference(ctx, x)
     launch, _ = prepare_kda_prefill(*x.args())
     trials: list[Trial] = []
+    deadline = time.perf_counter() + budget_s
 
     def record(trial: Trial) -> Trial:
         trials.append(trial)
@@ -136,11 +140,11 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
         anchor = fla_prefill(x)
         attempt("fla", None, lambda: anchor()[0][0], anchor)
     intra_grid, state_grid = _configs(ctx.smoke)
-    for config in [kernel_config("kda_intra")] + intra_grid:
+    for config in [kernel_config("kda_intra")] + (intra_grid if "intra" in passes else []):
         attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
                 lambda c=config: launch.intra(c))
     launch.intra()                                     # the table config's workspace for the state sweep
-    for config in [kernel_config("kda_state")] + state_grid:
+    for config in [kernel_config("kda_state")] + (state_grid if "state" in passes else []):
         attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
                 lambda c=config: launch.state(c))
     return trials
@@ -201,8 +205,14 @@ def run(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes and grid")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S)
+    parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
+                        help="sweep seconds, shared evenly by the shapes (their set-up is not counted)")
+    parser.add_argument("--passes", default=",".join(PASSES), help="which passes to sweep (both are always timed "
+                        "with the table configs)")
     args = parser.parse_args(argv)
+    passes = tuple(p for p in args.passes.split(",") if p)
+    if any(p not in PASSES for p in passes):
+        raise SystemExit(f"--passes {args.passes!r}: choose from {', '.join(PASSES)}")
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
                          "starts: run `TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke`")
@@ -218,7 +228,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     trials: list[Trial] = []
 
     def log(t: Trial) -> None:
-        print(f"{t.shape:>14} {t.kernel:>8} {str(t.config):60} {_ms(t.ms):>8} ms  {t.status[:100]}", flush=True)
+        print(f"{time.perf_counter() - started:5.0f}s {t.shape:>14} {t.kernel:>8} {str(t.config):60} "
+              f"{_ms(t.ms):>8} ms  {t.status[:100]}", flush=True)
 
     def write() -> list[dict]:
         rows = summary(trials)
@@ -229,10 +240,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         return rows
 
     with torch.inference_mode():
-        for index, (label, lengths) in enumerate(shapes):
-            # an even share of what is left, so a slow first shape cannot starve the others
-            deadline = time.perf_counter() + (started + args.budget_s - time.perf_counter()) / (len(shapes) - index)
-            trials += sweep_shape(ctx, label, lengths, heads, dim, deadline, log)
+        for label, lengths in shapes:
+            trials += sweep_shape(ctx, label, lengths, heads, dim, args.budget_s / len(shapes), passes, log)
             write()
     rows = write()
     print(f"\nwrote {out_dir / stem}.json and .md ({time.perf_counter() - started:.0f} s)")

@@ -65,3 +65,13 @@ def test_time_budget_skips_what_is_left(tmp_path):
     result = _run(tmp_path, "--budget-s", "0")
     assert result["trials"] and all(t["status"].startswith("skipped") for t in result["trials"])
     assert tune_prefill.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)]) == 1
+
+
+def test_passes_limits_the_sweep_but_both_passes_are_still_timed(tmp_path):
+    result = _run(tmp_path, "--passes", "state")
+    for row in result["summary"]:
+        mine = [t for t in result["trials"] if t["shape"] == row["shape"]]
+        assert len([t for t in mine if t["kernel"] == "intra"]) == 1 and row["intra_default_ms"] > 0
+        assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
+    with pytest.raises(SystemExit, match="choose from intra, state"):
+        tune_prefill.run(["--smoke", "--passes", "gate"])

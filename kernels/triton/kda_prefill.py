@@ -24,17 +24,25 @@ MAX_DENSE_EXPONENT = 80.0
 
 
 class ChunkPlan(NamedTuple):
-    """Host-side description of how the batch is cut (all int32 on the device unless noted)."""
+    """Host-side description of how the batch is cut (int32 views of one device tensor unless noted)."""
     chunk_start: torch.Tensor        # [num_chunks] first token (global index) of each chunk
     chunk_len: torch.Tensor          # [num_chunks] tokens in each chunk (1..chunk_size)
     seq_chunk: torch.Tensor          # [B + 1] chunks of sequence b are seq_chunk[b] .. seq_chunk[b + 1] - 1
     seq_ckpt: torch.Tensor           # [B + 1] checkpoint rows of sequence b start at seq_ckpt[b]
-    ckpt_seq_ids: list[int]          # host: sequence of each checkpoint row
-    ckpt_lengths: list[int]          # host: tokens consumed at each checkpoint row
+    cu_seqlens: torch.Tensor         # [B + 1] the batch's token bounds
+    slots: torch.Tensor              # [B] state slot of each sequence
+    ckpt_seq_ids: torch.Tensor       # [num_ckpts] sequence of each checkpoint row
+    ckpt_lengths: torch.Tensor       # [num_ckpts] tokens consumed at each checkpoint row
 
 
-def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, device: torch.device) -> ChunkPlan:
-    """Cut each sequence at multiples of chunk_size and of checkpoint_interval (so checkpoints end chunks)."""
+def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, device: torch.device,
+                slots: list[int] | None = None) -> ChunkPlan:
+    """Cut each sequence at multiples of chunk_size and of checkpoint_interval (so checkpoints end chunks).
+
+    Every table is built on the host and reaches the device in ONE non-blocking copy from pinned memory: a
+    plain torch.tensor(..., device=cuda) waits for the whole stream, and a prefill used to make seven of them,
+    leaving the GPU idle while the host planned (about 0.9 ms per call on an H200 at 32K tokens).
+    """
     starts: list[int] = []
     lengths: list[int] = []
     seq_chunk = [0]
@@ -57,10 +65,17 @@ def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, de
             lengths.append(hi - lo)
         seq_chunk.append(len(starts))
         seq_ckpt.append(len(ckpt_lengths))
-    as_int32 = dict(dtype=torch.int32, device=device)
-    return ChunkPlan(torch.tensor(starts, **as_int32), torch.tensor(lengths, **as_int32),
-                     torch.tensor(seq_chunk, **as_int32), torch.tensor(seq_ckpt, **as_int32),
-                     ckpt_seq_ids, ckpt_lengths)
+    slots = list(range(len(bounds) - 1)) if slots is None else slots
+    parts = [starts, lengths, seq_chunk, seq_ckpt, bounds, slots, ckpt_seq_ids, ckpt_lengths]
+    host = torch.tensor([value for part in parts for value in part], dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)   # the caching host allocator keeps `host` alive until copied
+    views, offset = [], 0
+    for part in parts:
+        views.append(packed[offset: offset + len(part)])
+        offset += len(part)
+    return ChunkPlan(*views)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
@@ -114,25 +129,22 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_prefill: chunk_size must be a power of two >= 16, got {chunk_size}")
     form = gate_form_id(gate)
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist()                     # the one host sync (none when cu_seqlens is on the host)
     slots = slot_ids.tolist()
     num_seqs = len(bounds) - 1
     _check_inputs(q, k, v, f, beta_logits, state, slots, num_seqs, bounds[-1])
     num_tokens, num_heads, k_dim = q.shape
     device = q.device
     a_log, dt_bias = gate_tensors(gate, num_heads, k_dim, device)
-    plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device)
+    plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device, slots)
     output = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=v.dtype, device=device)
-    ckpt_states = torch.empty(len(plan.ckpt_lengths), num_heads, v.shape[-1], k_dim, dtype=torch.float32,
+    ckpt_states = torch.empty(plan.ckpt_lengths.numel(), num_heads, v.shape[-1], k_dim, dtype=torch.float32,
                               device=device)
-    as_index = dict(dtype=torch.int64, device=device)
-    result = KdaPrefillOut(output, ckpt_states, torch.tensor(plan.ckpt_seq_ids, **as_index),
-                           torch.tensor(plan.ckpt_lengths, **as_index))
+    result = KdaPrefillOut(output, ckpt_states, plan.ckpt_seq_ids.long(), plan.ckpt_lengths.long())
     if num_seqs == 0:
         return None, result
-    return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, bounds, slot_ids,
-                         has_initial_state, state, output, ckpt_states, float(scale), checkpoint_interval,
-                         chunk_size), result
+    return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, has_initial_state, state,
+                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size), result
 
 
 class PrefillLaunch:
@@ -144,15 +156,15 @@ class PrefillLaunch:
     """
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
-                 bounds: list[int], slot_ids, has_initial_state, state, output, ckpt_states, scale: float,
-                 checkpoint_interval: int, chunk_size: int):
+                 has_initial_state, state, output, ckpt_states, scale: float, checkpoint_interval: int,
+                 chunk_size: int):
         self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
         self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
         self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
         self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
         num_tokens, self.num_heads, self.k_dim = q.shape
         self.v_dim = v.shape[-1]
-        self.num_seqs = len(bounds) - 1
+        self.num_seqs = plan.slots.numel()
         device = q.device
         # Intermediates in the input precision when it is 16-bit (tensor-core operands), float32 otherwise.
         self.work_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -165,8 +177,6 @@ class PrefillLaunch:
         self.aqk = torch.empty(num_tokens, self.num_heads, chunk_size, **work)
         self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
                                  device=device)                                # exp(G_last)
-        self.cu32 = torch.tensor(bounds, dtype=torch.int32, device=device)
-        self.slots = slot_ids.to(device=device, dtype=torch.int64)
         self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
 
     def _precision(self, config: KernelConfig) -> str:
@@ -195,7 +205,7 @@ class PrefillLaunch:
         grid = (triton.cdiv(self.v_dim, block_v), self.num_heads, self.num_seqs)
         kda_chunk_state_kernel[grid](
             self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, self.state_tensor,
-            self.state_tensor.stride(0), self.slots, self.has_init, self.cu32, self.plan.seq_chunk,
+            self.state_tensor.stride(0), self.plan.slots, self.has_init, self.plan.cu_seqlens, self.plan.seq_chunk,
             self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, self.plan.seq_ckpt,
             max(self.checkpoint_interval, 1), self.scale,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
