@@ -136,17 +136,19 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
         return launch.output
 
     attempt("whole op", None, poisoned_whole, whole)
-    if not fla_unavailable(ctx):
-        anchor = fla_prefill(x)
-        attempt("fla", None, lambda: anchor()[0][0], anchor)
     intra_grid, state_grid = _configs(ctx.smoke)
     for config in [kernel_config("kda_intra")] + (intra_grid if "intra" in passes else []):
         attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
                 lambda c=config: launch.intra(c))
     launch.intra()                                     # the table config's workspace for the state sweep
-    for config in [kernel_config("kda_state")] + (state_grid if "state" in passes else []):
+    for config in [launch.state_config()] + (state_grid if "state" in passes else []):
         attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
                 lambda c=config: launch.state(c))
+    if not fla_unavailable(ctx):
+        # last and outside the budget: fla autotunes on its first call (about 100 s per shape on an H200)
+        deadline = float("inf")
+        anchor = fla_prefill(x)
+        attempt("fla", None, lambda: anchor()[0][0], anchor)
     return trials
 
 

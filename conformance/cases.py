@@ -240,6 +240,9 @@ def _cases() -> list[Case]:
     add("kda_prefill", "empty-batch", "quick", lengths=[], H=1, K=64, slots=2, form="softplus")
     add("kda_prefill", "varlen-1-1000-63-K128-ckpt64", "full", lengths=[1, 1000, 63], H=2, K=128, slots=6,
         form="softplus", checkpoint_interval=64)
+    # 40 sequences x 12 heads: enough programs that a GPU's state pass takes the wide value blocks (kda_state_wide)
+    add("kda_prefill", "varlen-40seqs-H12-K128-ckpt64", "full", lengths=[1, 130, 64, 65, 7, 200, 2, 63] * 5, H=12,
+        K=128, slots=45, form="lower_bound", checkpoint_interval=64)
     add("kda_decode", "B3-H2-K64", "quick", B=3, H=2, K=64, slots=8, form="lower_bound")
     add("kda_decode", "B17-H4-K128", "full", B=17, H=4, K=128, slots=40, form="softplus")
     add("mla_prefill", "no-prefix-1-15-65", "quick", q_lens=[1, 15, 65], prefix_lens=[0, 0, 0], H=2, Dqk=64, Dv=64)

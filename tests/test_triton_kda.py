@@ -298,3 +298,37 @@ def test_kernel_configs_cover_both_vendors():
         assert amd.num_warps <= nvidia.num_warps                     # wave64: the same tile needs fewer warps
     with pytest.raises(ValueError, match="vendor"):
         kernel_config("kda_state", "intel")
+
+
+def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device():
+    """kda_state_wide when sequences x heads x value blocks give >= 2 programs per compute unit, else kda_state;
+    both configs give the reference's output (the many-sequence PREFILL_CASES run the wide one)."""
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+    from kernels.triton.tuning_ops import compute_units
+    num_heads, k_dim, v_dim = 2, 16, 32
+    gate = _gate("lower_bound", num_heads, k_dim, False)
+    wide, narrow = kernel_config("kda_state_wide"), kernel_config("kda_state")
+    assert wide.block_v > narrow.block_v
+    enough = -(-2 * compute_units(DEVICE) // num_heads)           # sequences that fill the device at one block
+    for num_seqs, expected in ((1, narrow), (enough - 1, narrow), (enough, wide)):
+        lengths = [3] * num_seqs
+        inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
+        state = torch.zeros(num_seqs, num_heads, v_dim, k_dim, device=DEVICE)
+        launch, result = prepare_kda_prefill(**inputs, gate=gate, cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+                                             state=state, slot_ids=torch.arange(num_seqs, device=DEVICE),
+                                             has_initial_state=torch.zeros(num_seqs, dtype=torch.bool,
+                                                                           device=DEVICE), scale=0.5)
+        assert launch.state_config() == expected, num_seqs
+        launch.intra()
+        outputs = []
+        for config in (narrow, wide):
+            launch.state(config)
+            outputs.append(result.output.clone())
+        expected_out = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+                                           state=torch.zeros(num_seqs, num_heads, v_dim, k_dim, dtype=torch.float64,
+                                                             device=DEVICE),
+                                           slot_ids=torch.arange(num_seqs, device=DEVICE),
+                                           has_initial_state=torch.zeros(num_seqs, dtype=torch.bool, device=DEVICE),
+                                           scale=0.5).output
+        for out in outputs:
+            torch.testing.assert_close(out.double(), expected_out, **KDA_OUT_TOL)

@@ -17,6 +17,7 @@ from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
+from kernels.triton.tuning_ops import compute_units
 
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
@@ -198,9 +199,16 @@ class PrefillLaunch:
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
 
+    def state_config(self) -> KernelConfig:
+        """The table's config for pass 2: `kda_state_wide` when this batch gives at least two programs per SM at
+        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences)."""
+        wide = kernel_config("kda_state_wide")
+        programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, wide.block_v)
+        return wide if programs >= 2 * compute_units(self.q.device) else kernel_config("kda_state")
+
     def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints."""
-        config = config or kernel_config("kda_state")
+        config = config or self.state_config()
         block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
         grid = (triton.cdiv(self.v_dim, block_v), self.num_heads, self.num_seqs)
         kda_chunk_state_kernel[grid](

@@ -13,7 +13,8 @@ import os
 import torch
 
 VENDORS = ("nvidia", "amd")
-KINDS = ("kda_gate", "kda_intra", "kda_state", "conv_prefill", "conv_decode")   # decode-op tables: tuning_ops
+# the decode-op tables live in tuning_ops
+KINDS = ("kda_gate", "kda_intra", "kda_state", "kda_state_wide", "conv_prefill", "conv_decode")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_intra": KernelConfig(num_warps=8, solve_precision="tf32"),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (measured on H200 at T=32K).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
+    # When the batch alone fills the GPU (>= 2 programs per SM at this block_v; see kda_prefill): 64 x 512 tokens
+    # took 0.31 ms against 0.74 ms with kda_state (bench/results/tune-prefill-nvidia-h200.md). In that sweep
+    # (Triton 3.6) four configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8):
+    # the float64 check rejected them. Any new entry here must come out of that checked sweep.
+    "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
     "conv_decode": KernelConfig(block_c=256, num_warps=4),
 }
@@ -43,7 +49,10 @@ _AMD: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=2),
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
     "kda_intra": KernelConfig(num_warps=4, solve_precision="ieee"),
+    # Not run on AMD hardware. This is one of the configs that gave wrong outputs under Triton 3.6 on an H200 (see
+    # _NVIDIA): run `bench.tune_prefill` on an MI-series GPU before trusting it.
     "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=1),
+    "kda_state_wide": KernelConfig(block_v=32, num_warps=4, num_stages=1),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=2),
     "conv_decode": KernelConfig(block_c=256, num_warps=2),
 }
