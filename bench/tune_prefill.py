@@ -136,6 +136,19 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
         return launch.output
 
     attempt("whole op", None, poisoned_whole, whole)
+    # the same with cu_seqlens and slot_ids on the host: no device sync before planning (the engine knows both)
+    host_args = list(x.args())
+    host_args[6], host_args[8] = x.cu32.cpu(), x.slots.cpu()
+
+    def whole_host():
+        return kda_prefill(*host_args)
+
+    def poisoned_whole_host() -> torch.Tensor:
+        x.state.fill_(float("nan"))
+        poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
+        return whole_host().output
+
+    attempt("whole op, host metadata", None, poisoned_whole_host, whole_host)
     intra_grid, state_grid = _configs(ctx.smoke)
     for config in [kernel_config("kda_intra")] + (intra_grid if "intra" in passes else []):
         attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
@@ -165,6 +178,7 @@ def summary(trials: list[Trial]) -> list[dict]:
             return min(timed, key=lambda t: t.ms) if timed else None
 
         row = {"shape": shape, "whole_ms": getattr(first("whole op"), "ms", None),
+               "whole_host_ms": getattr(first("whole op, host metadata"), "ms", None),
                "fla_ms": getattr(first("fla"), "ms", None),
                "intra_default_ms": getattr(first("intra"), "ms", None),
                "state_default_ms": getattr(first("state"), "ms", None),
@@ -187,12 +201,13 @@ def markdown(rows: list[dict], trials: list[Trial], env: dict) -> str:
              f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, commit "
              f"{env.get('commit')}, {env.get('date')}. {shape_text}; every timed config passed the float64 "
              "check first.", "",
-             "| shape | whole op ms | fla ms | intra ms (table) | state ms (table) | best intra | best state | "
-             "best sum ms | fla / best sum |", "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | whole op ms | same, host metadata | fla ms | intra ms (table) | state ms (table) | "
+             "best intra | best state | best sum ms | fla / best sum |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ib, sb = r["intra_best"], r["state_best"]
         ratio = (f"{r['fla_ms'] / r['best_sum_ms']:.2f}x" if r.get("best_sum_ms") and r["fla_ms"] else "-")
-        lines.append(f"| {r['shape']} | {_ms(r['whole_ms'])} | {_ms(r['fla_ms'])} | {_ms(r['intra_default_ms'])} | "
+        lines.append(f"| {r['shape']} | {_ms(r['whole_ms'])} | {_ms(r.get('whole_host_ms'))} | {_ms(r['fla_ms'])} | "
+                     f"{_ms(r['intra_default_ms'])} | "
                      f"{_ms(r['state_default_ms'])} | {_ms(ib and ib['ms'])} {ib and ib['config']} | "
                      f"{_ms(sb and sb['ms'])} {sb and sb['config']} | {_ms(r.get('best_sum_ms'))} | {ratio} |")
     lines += ["", "Every trial (the first intra and state rows of a shape are the table configs):", "",

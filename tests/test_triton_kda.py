@@ -301,8 +301,9 @@ def test_kernel_configs_cover_both_vendors():
 
 
 def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device():
-    """kda_state_wide when sequences x heads x value blocks give >= 2 programs per compute unit, else kda_state;
-    both configs give the reference's output (the many-sequence PREFILL_CASES run the wide one)."""
+    """kda_state_wide when sequences x heads x value blocks give >= 2 programs per compute unit (16-bit inputs, or
+    the interpreter), else kda_state; both configs give the reference's output (the many-sequence PREFILL_CASES
+    run the wide one under the interpreter)."""
     from kernels.triton.kda_prefill import prepare_kda_prefill
     from kernels.triton.tuning_ops import compute_units
     num_heads, k_dim, v_dim = 2, 16, 32
@@ -310,7 +311,9 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
     wide, narrow = kernel_config("kda_state_wide"), kernel_config("kda_state")
     assert wide.block_v > narrow.block_v
     enough = -(-2 * compute_units(DEVICE) // num_heads)           # sequences that fill the device at one block
-    for num_seqs, expected in ((1, narrow), (enough - 1, narrow), (enough, wide)):
+    # float32 on a real GPU always keeps kda_state (shared memory); the interpreter has no such limit
+    wide_ok = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    for num_seqs, expected in ((1, narrow), (enough - 1, narrow), (enough, wide if wide_ok else narrow)):
         lengths = [3] * num_seqs
         inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
         state = torch.zeros(num_seqs, num_heads, v_dim, k_dim, device=DEVICE)

@@ -201,9 +201,15 @@ class PrefillLaunch:
 
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state_wide` when this batch gives at least two programs per SM at
-        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences)."""
+        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences).
+
+        16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
+        more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
+        """
         wide = kernel_config("kda_state_wide")
         programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, wide.block_v)
+        if self.work_dtype == torch.float32 and not is_interpreted():
+            return kernel_config("kda_state")
         return wide if programs >= 2 * compute_units(self.q.device) else kernel_config("kda_state")
 
     def state(self, config: KernelConfig | None = None) -> None:
