@@ -200,8 +200,10 @@ class PrefillLaunch:
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
 
     def state_config(self) -> KernelConfig:
-        """The table's config for pass 2: `kda_state_wide` when this batch gives at least two programs per SM at
-        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences).
+        """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at
+        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences). On an H200
+        (bench/results/tune-prefill-nvidia-h200.md) the wide blocks won at 8 x 4K (192 programs, 0.36 ms against
+        0.71) and 64 x 512, and lost at B=1 (24 programs, 1.28 ms against 0.94).
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
@@ -210,7 +212,7 @@ class PrefillLaunch:
         programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, wide.block_v)
         if self.work_dtype == torch.float32 and not is_interpreted():
             return kernel_config("kda_state")
-        return wide if programs >= 2 * compute_units(self.q.device) else kernel_config("kda_state")
+        return wide if programs >= compute_units(self.q.device) else kernel_config("kda_state")
 
     def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints."""

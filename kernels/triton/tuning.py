@@ -36,8 +36,8 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_intra": KernelConfig(num_warps=8, solve_precision="tf32"),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (measured on H200 at T=32K).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
-    # When the batch alone fills the GPU (>= 2 programs per SM at this block_v; see kda_prefill): 64 x 512 tokens
-    # took 0.31 ms against 0.74 ms with kda_state (bench/results/tune-prefill-nvidia-h200.md). In that sweep
+    # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): 64 x 512 tokens
+    # took 0.31 ms against 0.74 ms with kda_state, 8 x 4K 0.36 against 0.71 (tune-prefill-nvidia-h200.md). In that sweep
     # (Triton 3.6) four configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8):
     # the float64 check rejected them. Any new entry here must come out of that checked sweep.
     "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2),
