@@ -1,0 +1,119 @@
+"""Registers, local-memory stack (spills) and shared memory of the KDA prefill kernels, compiled offline.
+
+    python -m bench.kernel_resources                  # sm_90, the table configs and a few neighbours
+    python -m bench.kernel_resources --arch 100       # another NVIDIA target
+
+No GPU needed: Triton compiles for the target with the ptxas it ships, and the cuobjdump it ships reads the
+resource usage out of the cubin. METHOD.md's first rule, "read what costs no device time", applied to the KDA
+prefill miss of issue 6: a kernel that spills lives on local-memory traffic, and the report says how much before
+any device call. What it cannot say is time; time comes from `bench.tune_prefill` on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
+
+
+@dataclass(frozen=True)
+class Resources:
+    kernel: str
+    config: str
+    registers: int          # per thread (255 is the cap)
+    stack_bytes: int        # per thread, local memory: > 0 means spills (or a real local array)
+    shared_bytes: int       # per program, as Triton reports it
+
+
+def _tool(name: str) -> Path:
+    import triton.backends.nvidia as nvidia  # noqa: PLC0415 (only where Triton's NVIDIA backend is installed)
+    path = Path(nvidia.__file__).parent / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: this Triton install has no bundled {name}")
+    return path
+
+
+def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
+    """(the jit function, its argument types, its constexprs) for one kernel at K3's shape in bf16."""
+    if kernel == "kda_intra":
+        from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel as fn  # noqa: PLC0415
+        pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16",
+                    "a_log_ptr": "fp32", "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
+                    "w_ptr": "bf16", "u_ptr": "bf16", "qg_ptr": "bf16", "kd_ptr": "bf16", "aqk_ptr": "bf16",
+                    "decay_ptr": "fp32"}
+        scalars = {"lower_bound": "fp32"}
+        consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
+    elif kernel == "kda_state":
+        from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
+        pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
+        pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
+                        cu_seqlens_ptr="i32", seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
+                        ckpt_ptr="fp32", seq_ckpt_ptr="i32")
+        scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
+        consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee")
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}; choose kda_intra or kda_state")
+    names = fn.arg_names
+    signature = {}
+    for name in names:
+        if name in pointers:
+            signature[name] = "*" + pointers[name]
+        elif name in scalars:
+            signature[name] = scalars[name]
+        else:
+            signature[name] = "constexpr"
+    return fn, signature, consts
+
+
+def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_v: int | None = None) -> Resources:
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+    fn, signature, consts = _signature(kernel)
+    if kernel == "kda_state":
+        consts["BV"] = block_v or 16
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = Path(directory) / f"{kernel}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(_tool("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    if not registers or not stack:
+        raise RuntimeError(f"cuobjdump printed no resource line for {kernel}:\n{usage}")
+    config = f"num_warps={num_warps} num_stages={num_stages}" + (f" block_v={block_v}" if block_v else "")
+    return Resources(kernel, config, int(registers.group(1)), int(stack.group(1)), int(compiled.metadata.shared))
+
+
+DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
+                   ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x 10 (default 90: H100/H200)")
+    parser.add_argument("--kernels", default="kda_intra,kda_state")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
+    wanted = set(args.kernels.split(","))
+    print(f"sm_{args.arch}, K3 shapes {KDA_SHAPE}, bf16")
+    print(f"{'kernel':10} {'config':38} {'registers':>9} {'stack B':>8} {'shared B':>9}")
+    for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
+        if kernel not in wanted:
+            continue
+        r = measure(kernel, warps, stages, args.arch, block_v)
+        print(f"{r.kernel:10} {r.config:38} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
