@@ -71,11 +71,13 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
     return fn, signature, consts
 
 
-def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_v: int | None = None) -> Resources:
+def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_v: int | None = None,
+            chunk: int = 64) -> Resources:
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
+    consts["BT"] = chunk
     if kernel == "kda_state":
         consts["BV"] = block_v or 16
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
@@ -89,7 +91,8 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     stack = re.search(r"STACK:(\d+)", usage)
     if not registers or not stack:
         raise RuntimeError(f"cuobjdump printed no resource line for {kernel}:\n{usage}")
-    config = f"num_warps={num_warps} num_stages={num_stages}" + (f" block_v={block_v}" if block_v else "")
+    config = f"chunk={chunk} num_warps={num_warps} num_stages={num_stages}" + (f" block_v={block_v}" if block_v
+                                                                                else "")
     return Resources(kernel, config, int(registers.group(1)), int(stack.group(1)), int(compiled.metadata.shared))
 
 
@@ -101,17 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x 10 (default 90: H100/H200)")
     parser.add_argument("--kernels", default="kda_intra,kda_state")
+    parser.add_argument("--chunks", default="64,32", help="tokens per chunk (the kernels' BT)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
     wanted = set(args.kernels.split(","))
-    print(f"sm_{args.arch}, K3 shapes {KDA_SHAPE}, bf16")
-    print(f"{'kernel':10} {'config':38} {'registers':>9} {'stack B':>8} {'shared B':>9}")
-    for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
-        if kernel not in wanted:
-            continue
-        r = measure(kernel, warps, stages, args.arch, block_v)
-        print(f"{r.kernel:10} {r.config:38} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
+    print(f"sm_{args.arch}, {KDA_SHAPE['H']} heads, K = V = {KDA_SHAPE['K']}, bf16")
+    print(f"{'kernel':10} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9}")
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
+            if kernel not in wanted:
+                continue
+            r = measure(kernel, warps, stages, args.arch, block_v, chunk)
+            print(f"{r.kernel:10} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
     return 0
 
 

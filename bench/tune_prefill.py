@@ -57,8 +57,9 @@ SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1), (2, 1)), ((8, 1, 1), (16, 1, 1))
 @dataclasses.dataclass
 class Trial:
     shape: str
-    kernel: str                  # "intra", "state", "whole op", "fla"
+    kernel: str                  # "intra", "state", "whole op", "whole op, host metadata", "fla"
     config: dict
+    chunk: int = 0               # tokens per chunk of the trial (0 for fla, which chooses its own)
     status: str = "ok"           # "ok", "wrong: ...", "error: ...", "skipped: ..."
     ms: float | None = None
     error: float | None = None   # worst relative error of the checks
@@ -87,47 +88,69 @@ def _poison(launch: PrefillLaunch, workspace: bool) -> None:
 
 
 def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int, budget_s: float,
-                passes: tuple[str, ...], log: Callable[[Trial], None]) -> list[Trial]:
-    """Set up (inputs, float64 reference), then time the whole op, fla and each pass; budget_s counts from
-    the end of the set-up, so slow input generation cannot starve the sweep."""
+                passes: tuple[str, ...], chunk_sizes: tuple[int, ...], log: Callable[[Trial], None]) -> list[Trial]:
+    """Set up (inputs, float64 reference), then per chunk size time the whole op and each pass (sweeping the
+    passes named), then fla; budget_s counts from the end of the set-up, so slow input generation cannot starve
+    the sweep, and is shared evenly by the chunk sizes."""
     x = prefill_inputs(ctx, lengths, heads, dim)
     ref = prefill_reference(ctx, x)
-    launch, _ = prepare_kda_prefill(*x.args())
     trials: list[Trial] = []
-    deadline = time.perf_counter() + budget_s
+    started = time.perf_counter()
+    for index, chunk in enumerate(chunk_sizes):
+        deadline = started + budget_s * (index + 1) / len(chunk_sizes)
+        trials += _sweep_chunk(ctx, x, ref, label, chunk, passes, deadline, log)
+    if not fla_unavailable(ctx):
+        # last and outside the budget: fla autotunes on its first call (about 100 s per shape on an H200)
+        anchor = fla_prefill(x)
+        trials.append(_attempt(ctx, x, ref, Trial(label, "fla", {}), float("inf"), lambda: anchor()[0][0], anchor,
+                               log))
+    return trials
 
-    def record(trial: Trial) -> Trial:
-        trials.append(trial)
-        log(trial)
-        return trial
 
-    def attempt(kind: str, config: KernelConfig | None, run: Callable[[], torch.Tensor],
-                timed: Callable[[], object]) -> Trial:
-        """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed."""
-        trial = Trial(label, kind, _config_dict(kind, config) if config else {})
-        if time.perf_counter() > deadline:
-            trial.status = "skipped: past the time budget"
-            return record(trial)
+def _attempt(ctx, x, ref, trial: Trial, deadline: float, run: Callable[[], torch.Tensor],
+             timed: Callable[[], object], log: Callable[[Trial], None]) -> Trial:
+    """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed."""
+    if time.perf_counter() > deadline:
+        trial.status = "skipped: past the time budget"
+    else:
         try:
-            checks = prefill_checks(ctx, x, ref, run(), who="" if kind != "fla" else "fla ")
+            checks = prefill_checks(ctx, x, ref, run(), who="fla " if trial.kernel == "fla" else "")
             trial.error = max(c.error for c in checks)
             failed = [c.describe() for c in checks if not c.ok]
             if failed:
                 trial.status = "wrong: " + "; ".join(failed)
-                return record(trial)
-            trial.ms = ctx.timer.time(timed).ms
+            else:
+                trial.ms = ctx.timer.time(timed).ms
         except Exception as exc:                       # a config that does not compile is a result, not a crash
             trial.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             traceback.print_exc(limit=1)
-        return record(trial)
+    log(trial)
+    return trial
 
-    def whole():
-        return kda_prefill(*x.args())
 
-    def poisoned_whole() -> torch.Tensor:
-        x.state.fill_(float("nan"))
-        poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
-        return whole().output
+def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], deadline: float,
+                 log: Callable[[Trial], None]) -> list[Trial]:
+    launch, _ = prepare_kda_prefill(*x.args(), chunk_size=chunk)
+    trials: list[Trial] = []
+
+    def attempt(kind: str, config: KernelConfig | None, run, timed) -> None:
+        trial = Trial(label, kind, _config_dict(kind, config) if config else {}, chunk=chunk)
+        trials.append(_attempt(ctx, x, ref, trial, deadline, run, timed, log))
+
+    # the whole op as callers see it: cu_seqlens and slot_ids on the device (one sync to read them), and on the
+    # host (no sync before planning: the engine knows both)
+    host_args = list(x.args())
+    host_args[6], host_args[8] = x.cu32.cpu(), x.slots.cpu()
+    for kind, args in (("whole op", x.args()), ("whole op, host metadata", tuple(host_args))):
+        def whole(args=args):
+            return kda_prefill(*args, chunk_size=chunk)
+
+        def poisoned_whole(whole=whole) -> torch.Tensor:
+            x.state.fill_(float("nan"))
+            poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
+            return whole().output
+
+        attempt(kind, None, poisoned_whole, whole)
 
     def poisoned(workspace: bool, *steps: Callable[[], object]) -> torch.Tensor:
         _poison(launch, workspace)
@@ -135,20 +158,6 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
             step()
         return launch.output
 
-    attempt("whole op", None, poisoned_whole, whole)
-    # the same with cu_seqlens and slot_ids on the host: no device sync before planning (the engine knows both)
-    host_args = list(x.args())
-    host_args[6], host_args[8] = x.cu32.cpu(), x.slots.cpu()
-
-    def whole_host():
-        return kda_prefill(*host_args)
-
-    def poisoned_whole_host() -> torch.Tensor:
-        x.state.fill_(float("nan"))
-        poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
-        return whole_host().output
-
-    attempt("whole op, host metadata", None, poisoned_whole_host, whole_host)
     intra_grid, state_grid = _configs(ctx.smoke)
     for config in [kernel_config("kda_intra")] + (intra_grid if "intra" in passes else []):
         attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
@@ -157,18 +166,15 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
     for config in [launch.state_config()] + (state_grid if "state" in passes else []):
         attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
                 lambda c=config: launch.state(c))
-    if not fla_unavailable(ctx):
-        # last and outside the budget: fla autotunes on its first call (about 100 s per shape on an H200)
-        deadline = float("inf")
-        anchor = fla_prefill(x)
-        attempt("fla", None, lambda: anchor()[0][0], anchor)
     return trials
 
 
 def summary(trials: list[Trial]) -> list[dict]:
+    """One row per (shape, chunk size); fla's time (one per shape) repeated on each."""
     rows = []
-    for shape in dict.fromkeys(t.shape for t in trials):
-        mine = [t for t in trials if t.shape == shape]
+    for shape, chunk in dict.fromkeys((t.shape, t.chunk) for t in trials if t.kernel != "fla"):
+        mine = [t for t in trials if t.shape == shape and t.chunk == chunk]
+        fla = next((t for t in trials if t.shape == shape and t.kernel == "fla"), None)
 
         def first(kind: str) -> Trial | None:
             return next((t for t in mine if t.kernel == kind), None)
@@ -177,9 +183,9 @@ def summary(trials: list[Trial]) -> list[dict]:
             timed = [t for t in mine if t.kernel == kind and t.ms is not None]
             return min(timed, key=lambda t: t.ms) if timed else None
 
-        row = {"shape": shape, "whole_ms": getattr(first("whole op"), "ms", None),
+        row = {"shape": shape, "chunk": chunk, "whole_ms": getattr(first("whole op"), "ms", None),
                "whole_host_ms": getattr(first("whole op, host metadata"), "ms", None),
-               "fla_ms": getattr(first("fla"), "ms", None),
+               "fla_ms": getattr(fla, "ms", None),
                "intra_default_ms": getattr(first("intra"), "ms", None),
                "state_default_ms": getattr(first("state"), "ms", None),
                "intra_best": dataclasses.asdict(best("intra")) if best("intra") else None,
@@ -201,20 +207,21 @@ def markdown(rows: list[dict], trials: list[Trial], env: dict) -> str:
              f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, commit "
              f"{env.get('commit')}, {env.get('date')}. {shape_text}; every timed config passed the float64 "
              "check first.", "",
-             "| shape | whole op ms | same, host metadata | fla ms | intra ms (table) | state ms (table) | "
-             "best intra | best state | best sum ms | fla / best sum |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | chunk | whole op ms | same, host metadata | fla ms | intra ms (table) | state ms (table) | "
+             "best intra | best state | best sum ms | fla / best sum |", "|---" * 11 + "|"]
     for r in rows:
         ib, sb = r["intra_best"], r["state_best"]
         ratio = (f"{r['fla_ms'] / r['best_sum_ms']:.2f}x" if r.get("best_sum_ms") and r["fla_ms"] else "-")
-        lines.append(f"| {r['shape']} | {_ms(r['whole_ms'])} | {_ms(r.get('whole_host_ms'))} | {_ms(r['fla_ms'])} | "
+        lines.append(f"| {r['shape']} | {r['chunk']} | {_ms(r['whole_ms'])} | {_ms(r.get('whole_host_ms'))} | "
+                     f"{_ms(r['fla_ms'])} | "
                      f"{_ms(r['intra_default_ms'])} | "
                      f"{_ms(r['state_default_ms'])} | {_ms(ib and ib['ms'])} {ib and ib['config']} | "
                      f"{_ms(sb and sb['ms'])} {sb and sb['config']} | {_ms(r.get('best_sum_ms'))} | {ratio} |")
     lines += ["", "Every trial (the first intra and state rows of a shape are the table configs):", "",
-              "| shape | kernel | config | ms | worst rel err | status |", "|---|---|---|---|---|---|"]
+              "| shape | chunk | kernel | config | ms | worst rel err | status |", "|---|---|---|---|---|---|---|"]
     for t in trials:
         error = "-" if t.error is None else f"{t.error:.1e}"
-        lines.append(f"| {t.shape} | {t.kernel} | {t.config} | {_ms(t.ms)} | {error} | {t.status} |")
+        lines.append(f"| {t.shape} | {t.chunk or '-'} | {t.kernel} | {t.config} | {_ms(t.ms)} | {error} | {t.status} |")
     return "\n".join(lines) + "\n"
 
 
@@ -224,12 +231,17 @@ def run(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
                         help="sweep seconds, shared evenly by the shapes (their set-up is not counted)")
+    parser.add_argument("--chunk-sizes", default=None, help="tokens per chunk to compare, e.g. 64,32 (default: "
+                        "the table's, then 32)")
     parser.add_argument("--passes", default=",".join(PASSES), help="which passes to sweep (both are always timed "
                         "with the table configs)")
     args = parser.parse_args(argv)
     passes = tuple(p for p in args.passes.split(",") if p)
     if any(p not in PASSES for p in passes):
         raise SystemExit(f"--passes {args.passes!r}: choose from {', '.join(PASSES)}")
+    table_chunk = kernel_config("kda_intra").block_t
+    chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
+        (table_chunk, 16) if args.smoke else (table_chunk, 32))
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
                          "starts: run `TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke`")
@@ -245,7 +257,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     trials: list[Trial] = []
 
     def log(t: Trial) -> None:
-        print(f"{time.perf_counter() - started:5.0f}s {t.shape:>14} {t.kernel:>8} {str(t.config):60} "
+        print(f"{time.perf_counter() - started:5.0f}s {t.shape:>14} c{t.chunk:<3} {t.kernel:>8} {str(t.config):60} "
               f"{_ms(t.ms):>8} ms  {t.status[:100]}", flush=True)
 
     def write() -> list[dict]:
@@ -258,7 +270,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
 
     with torch.inference_mode():
         for label, lengths in shapes:
-            trials += sweep_shape(ctx, label, lengths, heads, dim, args.budget_s / len(shapes), passes, log)
+            trials += sweep_shape(ctx, label, lengths, heads, dim, args.budget_s / len(shapes), passes,
+                                  chunk_sizes, log)
             write()
     rows = write()
     print(f"\nwrote {out_dir / stem}.json and .md ({time.perf_counter() - started:.0f} s)")

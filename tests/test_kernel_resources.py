@@ -19,7 +19,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_reports_registers_and_stack_of_the_state_pass():
-    result = _run("--kernels", "kda_state")
+    result = _run("--kernels", "kda_state", "--chunks", "64")
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("kda_state ")]
     assert len(rows) == 3

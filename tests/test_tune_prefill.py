@@ -14,6 +14,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is th
                                                                    "`python -m bench.tune_prefill`")
 
 
+def test_chunk_sizes_option_picks_what_is_compared(tmp_path):
+    result = _run(tmp_path, "--chunk-sizes", "32", "--passes", "")
+    assert {t["chunk"] for t in result["trials"]} == {32}
+    assert all(t["status"] == "ok" for t in result["trials"])
+
+
 def _run(tmp_path, *extra: str) -> dict:
     tune_prefill.run(["--smoke", "--out", str(tmp_path), *extra])
     (json_path,) = tmp_path.glob("tune-prefill-*.json")
@@ -23,11 +29,13 @@ def _run(tmp_path, *extra: str) -> dict:
 
 def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
     result = _run(tmp_path)
-    assert [r["shape"] for r in result["summary"]] == [label for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES]
+    # one row per shape and chunk size: the table's chunk size (64) and 16 in smoke runs
+    assert [(r["shape"], r["chunk"]) for r in result["summary"]] == [
+        (label, chunk) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES for chunk in (64, 16)]
     for row in result["summary"]:
         assert row["whole_ms"] > 0 and row["whole_host_ms"] > 0
         assert row["intra_default_ms"] > 0 and row["state_default_ms"] > 0
-        mine = [t for t in result["trials"] if t["shape"] == row["shape"]]
+        mine = [t for t in result["trials"] if (t["shape"], t["chunk"]) == (row["shape"], row["chunk"])]
         # the table config first, then the grid, every one checked and timed
         assert len([t for t in mine if t["kernel"] == "intra"]) == 1 + len(tune_prefill.SMOKE_INTRA_GRID)
         assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
@@ -71,7 +79,7 @@ def test_time_budget_skips_what_is_left(tmp_path):
 def test_passes_limits_the_sweep_but_both_passes_are_still_timed(tmp_path):
     result = _run(tmp_path, "--passes", "state")
     for row in result["summary"]:
-        mine = [t for t in result["trials"] if t["shape"] == row["shape"]]
+        mine = [t for t in result["trials"] if (t["shape"], t["chunk"]) == (row["shape"], row["chunk"])]
         assert len([t for t in mine if t["kernel"] == "intra"]) == 1 and row["intra_default_ms"] > 0
         assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
     with pytest.raises(SystemExit, match="choose from intra, state"):

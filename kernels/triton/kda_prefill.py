@@ -104,11 +104,12 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
                 gate: KdaGateParams, cu_seqlens: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                 has_initial_state: torch.Tensor, scale: float, checkpoint_interval: int = 0, *,
-                chunk_size: int = 64) -> KdaPrefillOut:
+                chunk_size: int | None = None) -> KdaPrefillOut:
     """q, k, f [T, H, K], v [T, H, V], beta_logits [T, H] -> KdaPrefillOut; state[slot_ids] updated in place.
 
-    chunk_size (keyword only, a power of two >= 16) exists for tests under the interpreter; any
-    checkpoint_interval >= 0 works (chunks are also cut at its multiples).
+    chunk_size (keyword only, a power of two >= 16): tokens per chunk, by default the vendor table's
+    `kda_intra` block_t (64; `bench.tune_prefill --chunk-sizes` compares others). Any checkpoint_interval >= 0
+    works (chunks are also cut at its multiples).
     """
     launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
                                          has_initial_state, scale, checkpoint_interval, chunk_size=chunk_size)
@@ -121,12 +122,13 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                         beta_logits: torch.Tensor, gate: KdaGateParams, cu_seqlens: torch.Tensor,
                         state: torch.Tensor, slot_ids: torch.Tensor, has_initial_state: torch.Tensor, scale: float,
-                        checkpoint_interval: int = 0, *, chunk_size: int = 64
+                        checkpoint_interval: int = 0, *, chunk_size: int | None = None
                         ) -> tuple[PrefillLaunch | None, KdaPrefillOut]:
     """Check the inputs, cut the batch and allocate everything; launch nothing. The result's tensors are filled
     once the launch (None for an empty batch) has run intra() then state()."""
     if checkpoint_interval < 0:
         raise ValueError(f"kda_prefill: checkpoint_interval must be >= 0, got {checkpoint_interval}")
+    chunk_size = chunk_size or kernel_config("kda_intra").block_t
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_prefill: chunk_size must be a power of two >= 16, got {chunk_size}")
     form = gate_form_id(gate)

@@ -19,7 +19,7 @@ KINDS = ("kda_gate", "kda_intra", "kda_state", "kda_state_wide", "conv_prefill",
 
 @dataclass(frozen=True)
 class KernelConfig:
-    block_t: int = 64          # tokens per program (conv prefill) or elements per program / 64 (gate)
+    block_t: int = 64          # tokens per program (conv prefill), per chunk (KDA intra), elements / 64 (gate)
     block_c: int = 64          # channels per program (conv), or elements per program (gate)
     block_v: int = 32          # value columns per program for the state kernels (state tile [K, block_v])
     sub_chunk: int = 16        # KDA intra-chunk sub-block: bounds exp of in-block decay (see kda_chunk_intra)
@@ -33,7 +33,7 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=4),
     # H200, T=32K bf16: tf32 solve 1.9 ms vs tf32x3 8.0 ms with the same error vs float64 (3.7e-3, set by the
     # bf16 inputs); float32 inputs always get "ieee" (see kda_prefill).
-    "kda_intra": KernelConfig(num_warps=8, solve_precision="tf32"),
+    "kda_intra": KernelConfig(block_t=64, num_warps=8, solve_precision="tf32"),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (measured on H200 at T=32K).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
     # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): 64 x 512 tokens
@@ -48,7 +48,7 @@ _NVIDIA: dict[str, KernelConfig] = {
 _AMD: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=2),
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
-    "kda_intra": KernelConfig(num_warps=4, solve_precision="ieee"),
+    "kda_intra": KernelConfig(block_t=64, num_warps=4, solve_precision="ieee"),
     # Not run on AMD hardware. This is one of the configs that gave wrong outputs under Triton 3.6 on an H200 (see
     # _NVIDIA): run `bench.tune_prefill` on an MI-series GPU before trusting it.
     "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=1),
