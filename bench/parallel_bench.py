@@ -204,7 +204,9 @@ def markdown(report: dict) -> str:
                 tp = spd["plans"]["tp2"]
                 ratios = ", ".join(f"prefill {n}: {row[f'prefill_{n}_tok_s'] / tp[f'prefill_{n}_tok_s']:.2f}x"
                                    for n in lens)
-                lines.append(f"- {name} vs tp2: {ratios}, decode {row['decode_tok_s'] / tp['decode_tok_s']:.2f}x")
+                decode = (f"{row['decode_tok_s'] / tp['decode_tok_s']:.2f}x" if tp["decode_tok_s"] > 0
+                          else "- (tp2 decoded nothing in the timed steps)")
+                lines.append(f"- {name} vs tp2: {ratios}, decode {decode}")
     if report.get("notes"):
         lines += ["", "## Reading the numbers", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"

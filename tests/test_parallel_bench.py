@@ -41,3 +41,13 @@ def test_markdown_says_when_correctness_comes_from_another_commit_and_prints_not
     assert "- first reading\n- second reading" in text
     report["correctness"]["commit"] = "bbbbbbb"
     assert "earlier run" not in parallel_bench.markdown(report)
+
+
+def test_markdown_survives_a_plan_that_decoded_nothing():
+    row = {"gpus": 2, "prefill_64_tok_s": 10.0, "decode_tok_s": 0.0, "decode_batch": 0, "kv_tokens_per_gib": 1,
+           "weights_gib": 1.0}
+    report = {"environment": {"gpus": "2"},
+              "speed": {"model": "m", "dtype": "float32", "backend": "torch",
+                        "decode": {"batch": 2, "context": 8, "steps": 1},
+                        "plans": {"tp2": dict(row), "pp2": dict(row, decode_tok_s=5.0)}}}
+    assert "tp2 decoded nothing" in parallel_bench.markdown(report)
