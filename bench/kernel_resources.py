@@ -4,7 +4,8 @@
     python -m bench.kernel_resources --arch 100       # another NVIDIA target
 
 No GPU needed: Triton compiles for the target with the ptxas it ships, and the cuobjdump it ships reads the
-resource usage out of the cubin. METHOD.md's first rule, "read what costs no device time", applied to the KDA
+resource usage out of the cubin (kda_prep + kda_solve are the split intra pass, `KernelConfig.split`).
+METHOD.md's first rule, "read what costs no device time", applied to the KDA
 prefill miss of issue 6: a kernel that spills lives on local-memory traffic, and the report says how much before
 any device call. What it cannot say is time; time comes from `bench.tune_prefill` on the GPU.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
+KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state")   # kda_prep + kda_solve = the split intra pass
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,21 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "decay_ptr": "fp32"}
         scalars = {"lower_bound": "fp32"}
         consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
+    elif kernel == "kda_prep":
+        from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel as fn  # noqa: PLC0415
+        pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16", "a_log_ptr": "fp32",
+                    "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32", "qg_ptr": "bf16",
+                    "kd_ptr": "bf16", "decay_ptr": "fp32", "qn_ptr": "bf16", "kn_ptr": "bf16", "g_cum_ptr": "fp32",
+                    "kgb_ptr": "bf16"}
+        scalars = {"lower_bound": "fp32"}
+        consts = dict(H=12, K=128, BT=64, BK=128, FORM=1)
+    elif kernel == "kda_solve":
+        from kernels.triton.kda_chunk_split import kda_chunk_solve_kernel as fn  # noqa: PLC0415
+        pointers = {"v_ptr": "bf16", "beta_ptr": "bf16", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
+                    "qn_ptr": "bf16", "kn_ptr": "bf16", "g_cum_ptr": "fp32", "kgb_ptr": "bf16", "w_ptr": "bf16",
+                    "u_ptr": "bf16", "aqk_ptr": "bf16"}
+        scalars = {}
+        consts = dict(KDA_SHAPE, BVF=128, SUB=16, DENSE=True, PRECISION="tf32")
     elif kernel == "kda_state":
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
@@ -58,7 +75,7 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
         scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
         consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee")
     else:
-        raise ValueError(f"unknown kernel {kernel!r}; choose kda_intra or kda_state")
+        raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     names = fn.arg_names
     signature = {}
     for name in names:
@@ -97,13 +114,15 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
 
 
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
+                   ("kda_prep", 4, 1, None), ("kda_prep", 8, 1, None),
+                   ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x 10 (default 90: H100/H200)")
-    parser.add_argument("--kernels", default="kda_intra,kda_state")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--chunks", default="64,32", help="tokens per chunk (the kernels' BT)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

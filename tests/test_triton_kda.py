@@ -335,3 +335,32 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
                                            scale=0.5).output
         for out in outputs:
             torch.testing.assert_close(out.double(), expected_out, **KDA_OUT_TOL)
+
+
+@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
+                         [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
+def test_split_intra_pass_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong):
+    """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split) gives the reference's outputs,
+    states and checkpoints, on both gate forms and with empty sequences in the batch."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+    num_heads = 2
+    cu_seqlens = _cu_seqlens(lengths).to(DEVICE)
+    inputs = _inputs(int(cu_seqlens[-1]), num_heads, k_dim, v_dim, strong)
+    gate = _gate(form, num_heads, k_dim, strong)
+    _, state = _state_pool(num_heads, v_dim, k_dim)
+    slot_ids = torch.randperm(NUM_SLOTS)[:len(lengths)].to(DEVICE)
+    has_initial_state = (torch.rand(len(lengths)) < 0.6).to(DEVICE)
+    expected_state = state.double()
+    launch, out = prepare_kda_prefill(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
+                                      has_initial_state=has_initial_state, scale=0.37,
+                                      checkpoint_interval=interval, chunk_size=chunk_size)
+    launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=True))
+    launch.state()
+    expected = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=cu_seqlens, state=expected_state,
+                                   slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
+                                   checkpoint_interval=interval)
+    torch.testing.assert_close(out.output.double(), expected.output, **KDA_OUT_TOL)
+    torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
+    torch.testing.assert_close(out.checkpoint_states.double(), expected.checkpoint_states, **KDA_STATE_TOL)

@@ -14,6 +14,7 @@ import triton
 
 from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
+from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
@@ -181,6 +182,7 @@ class PrefillLaunch:
         self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
                                  device=device)                                # exp(G_last)
         self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
+        self._scratch: tuple[torch.Tensor, ...] | None = None          # split intra pass only, made on first use
 
     def _precision(self, config: KernelConfig) -> str:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
@@ -193,6 +195,9 @@ class PrefillLaunch:
         config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
         dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
+        if config.split:
+            self._intra_split(config, sub_chunk, dense)
+            return
         kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
@@ -200,6 +205,27 @@ class PrefillLaunch:
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def _intra_split(self, config: KernelConfig, sub_chunk: int, dense: bool) -> None:
+        """Pass 1 as two kernels (kda_chunk_split): prep writes Qg, Kd, exp(G_last) and scratch, solve the rest."""
+        if self._scratch is None:
+            # normalised q and k, k exp(G) beta (workspace dtype) and G (float32), each [T, H, K]
+            self._scratch = (torch.empty_like(self.w), torch.empty_like(self.w), torch.empty_like(self.w),
+                             torch.empty(self.w.shape, dtype=torch.float32, device=self.w.device))
+        qn, kn, kgb, g_cum = self._scratch
+        grid = (self.num_chunks, self.num_heads)
+        block_k = pow2_at_least(self.k_dim)
+        kda_chunk_prep_kernel[grid](
+            self.q, self.k, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
+            self.plan.chunk_len, self.qg, self.kd, self.decay, qn, kn, g_cum, kgb, float(self.gate.lower_bound),
+            H=self.num_heads, K=self.k_dim, BT=self.chunk_size, BK=block_k, FORM=self.form,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        kda_chunk_solve_kernel[grid](
+            self.v, self.beta_logits, self.plan.chunk_start, self.plan.chunk_len, qn, kn, g_cum, kgb,
+            self.w, self.u0, self.aqk,
+            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=block_k,
+            BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, DENSE=dense, PRECISION=self._precision(config),
+            num_warps=config.num_warps, num_stages=config.num_stages)
 
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at

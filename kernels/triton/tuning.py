@@ -27,6 +27,8 @@ class KernelConfig:
     num_stages: int = 1
     # tl.dot input_precision for float32 operands (the triangular solve, W, U0) when the inputs are 16-bit.
     solve_precision: str = "ieee"
+    # KDA intra pass as two lighter kernels (kernels/triton/kda_chunk_split.py) instead of one that spills
+    split: bool = False
 
 
 _NVIDIA: dict[str, KernelConfig] = {
