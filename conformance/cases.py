@@ -36,10 +36,17 @@ class OpCall:
     args: dict[str, Any]                        # the op's arguments by name, float64 CPU master values
     pinned_float32: frozenset[str]              # floating args the op table fixes to float32 in every run dtype
     inplace: dict[str, torch.Tensor]            # mutated argument -> the dim-0 rows it may write (int64)
+    on_host: frozenset[str] = frozenset()       # args handed to the provider on the CPU (index metadata)
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def _host_metadata(p: dict) -> frozenset[str]:
+    """host_metadata=True: cu_seqlens and slot_ids stay on the CPU while the data goes to the device, as the model
+    passes them (ops.py: every provider must accept both placements)."""
+    return frozenset({"cu_seqlens", "slot_ids"}) if p.get("host_metadata") else frozenset()
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
@@ -93,7 +100,8 @@ def build_short_conv_prefill(p: dict, gen: torch.Generator) -> OpCall:
     conv_state = _poisoned_state(gen, (num_slots, kernel - 1, channels), slot_ids, has_initial, 1.0)
     return OpCall(dict(x=_randn(gen, sum(lengths), channels), weight=_randn(gen, channels, kernel, scale=0.5),
                        cu_seqlens=_cu_seqlens(lengths), conv_state=conv_state, slot_ids=slot_ids,
-                       has_initial_state=has_initial), frozenset({"weight"}), {"conv_state": slot_ids})
+                       has_initial_state=has_initial), frozenset({"weight"}), {"conv_state": slot_ids},
+                  _host_metadata(p))
 
 
 def build_short_conv_decode(p: dict, gen: torch.Generator) -> OpCall:
@@ -119,7 +127,7 @@ def build_kda_prefill(p: dict, gen: torch.Generator) -> OpCall:
     args.update(gate=_gate(gen, heads, head_dim, p["form"]), cu_seqlens=_cu_seqlens(lengths), state=state,
                 slot_ids=slot_ids, has_initial_state=has_initial, scale=head_dim ** -0.5,
                 checkpoint_interval=p.get("checkpoint_interval", 0))
-    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids})
+    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids}, _host_metadata(p))
 
 
 def build_kda_decode(p: dict, gen: torch.Generator) -> OpCall:
@@ -128,7 +136,7 @@ def build_kda_decode(p: dict, gen: torch.Generator) -> OpCall:
     state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids, torch.ones(batch, dtype=torch.bool), 0.3)
     args = _kda_inputs(gen, batch, heads, head_dim)
     args.update(gate=_gate(gen, heads, head_dim, p["form"]), state=state, slot_ids=slot_ids, scale=head_dim ** -0.5)
-    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids})
+    return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids}, _host_metadata(p))
 
 
 def build_mla_prefill(p: dict, gen: torch.Generator) -> OpCall:
@@ -231,6 +239,8 @@ def _cases() -> list[Case]:
     add("short_conv_prefill", "varlen-1-15-2-65", "quick", lengths=[1, 15, 2, 65], C=48, K_conv=4, slots=7)
     add("short_conv_prefill", "varlen-1-1000-3", "full", lengths=[1, 1000, 3], C=384, K_conv=4, slots=5)
     add("short_conv_prefill", "empty-batch", "quick", lengths=[], C=48, K_conv=4, slots=3)
+    add("short_conv_prefill", "varlen-host-metadata", "quick", lengths=[3, 1, 70], C=48, K_conv=4, slots=5,
+        host_metadata=True)
     add("short_conv_decode", "B5", "quick", B=5, C=48, K_conv=4, slots=9)
     add("short_conv_decode", "B1", "quick", B=1, C=384, K_conv=4, slots=2)
     add("kda_prefill", "T1-H2-K64", "quick", lengths=[1], H=2, K=64, slots=3, form="lower_bound")
@@ -238,6 +248,8 @@ def _cases() -> list[Case]:
         checkpoint_interval=16)
     add("kda_prefill", "T64-H1-K64", "quick", lengths=[64], H=1, K=64, slots=2, form="lower_bound")
     add("kda_prefill", "empty-batch", "quick", lengths=[], H=1, K=64, slots=2, form="softplus")
+    add("kda_prefill", "varlen-host-metadata-ckpt16", "quick", lengths=[17, 1, 40], H=2, K=64, slots=4,
+        form="lower_bound", checkpoint_interval=16, host_metadata=True)
     add("kda_prefill", "varlen-1-1000-63-K128-ckpt64", "full", lengths=[1, 1000, 63], H=2, K=128, slots=6,
         form="softplus", checkpoint_interval=64)
     # 40 sequences x 12 heads: enough programs that a GPU's state pass takes the wide value blocks (kda_state_wide)

@@ -58,7 +58,9 @@ def _convert(value: Any, dtype: torch.dtype, device: torch.device) -> Any:
 
 
 def provider_args(call: OpCall, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    return {name: _convert(value, torch.float32 if name in call.pinned_float32 else dtype, device)
+    cpu = torch.device("cpu")
+    return {name: _convert(value, torch.float32 if name in call.pinned_float32 else dtype,
+                           cpu if name in call.on_host else device)
             for name, value in call.args.items()}
 
 

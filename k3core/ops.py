@@ -81,7 +81,7 @@ OPS: tuple[OpInfo, ...] = (
                            has_initial_state [B] bool) -> y [T, C]
         Causal depthwise conv per sequence then SiLU; history is conv_state[slot] when has_initial_state else zeros.
         Writes the last K_conv-1 pre-conv inputs of each sequence (history included when it is short) back to
-        conv_state[slot]."""),
+        conv_state[slot]. cu_seqlens and slot_ids may be on the host, as for kda_prefill."""),
     OpInfo("short_conv_decode", "kernels.torch.conv:short_conv_decode", """
         short_conv_decode(x [B, C], weight [C, K_conv], conv_state, slot_ids [B]) -> y [B, C]
         One token per sequence; shifts the window in place."""),
@@ -93,7 +93,9 @@ OPS: tuple[OpInfo, ...] = (
         recurrence S <- S diag(exp g_t); S <- S + beta_t (v_t - S k_t) k_t^T; o_t = scale * S q_t, starting from
         state[slot] (or zeros) and writing the final state back to state[slot].
         checkpoint_interval > 0: also return the state after every multiple of checkpoint_interval tokens of
-        each sequence (counted from the start of this call) and after its last token."""),
+        each sequence (counted from the start of this call) and after its last token.
+        cu_seqlens and slot_ids may be CPU tensors while the data is on the device (the model passes them so:
+        providers read them on the host); every provider must accept both placements."""),
     OpInfo("kda_decode", "kernels.torch.kda:kda_decode", """
         kda_decode(q [B, H, K], k [B, H, K], v [B, H, V], f [B, H, K], beta_logits [B, H], gate: KdaGateParams,
                    state, slot_ids [B], scale) -> o [B, H, V]

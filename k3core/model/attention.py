@@ -43,8 +43,9 @@ class KdaLayer:
         if batch.is_decode:
             qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)
         else:
-            qkv = ops.short_conv_prefill(qkv, self.conv_weight, batch.cu_seqlens, conv_state,
-                                         batch.slot_positions, batch.has_initial_state)
+            cu_seqlens, slots = _host_metadata(batch)
+            qkv = ops.short_conv_prefill(qkv, self.conv_weight, cu_seqlens, conv_state, slots,
+                                         batch.has_initial_state)
         q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))                      # [T, Hk, D] each
         f = F.linear(F.linear(x, self.w_f_a), self.w_f_b).reshape(heads)                # [T, Hk, D]
         beta_logits = F.linear(x, self.w_b)                                             # [T, Hk]
@@ -52,14 +53,22 @@ class KdaLayer:
         if batch.is_decode:
             o = ops.kda_decode(q, k, v, f, beta_logits, self.gate, recurrent, batch.slot_positions, self.scale)
         else:
-            o = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, batch.cu_seqlens, recurrent,
-                                batch.slot_positions, batch.has_initial_state, self.scale).output
+            o = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, cu_seqlens, recurrent, slots,
+                                batch.has_initial_state, self.scale).output
         if self.w_g is not None:
             z = F.linear(x, self.w_g)
         else:
             z = F.linear(F.linear(x, self.w_g_a), self.w_g_b)
         o = ops.gated_rms_norm(o, z.reshape(heads), self.w_o_norm, self.config.rms_norm_eps)  # [T, Hk, D]
         return F.linear(o.reshape(num_tokens, -1), self.w_o)                            # [T, H]
+
+
+def _host_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu_seqlens and slot positions for the prefill ops, on the host when the batch carries copies there (the
+    ops read them on the host anyway: a device copy would make each layer wait for the GPU to drain)."""
+    if batch.cu_seqlens_host is not None and batch.slot_positions_host is not None:
+        return batch.cu_seqlens_host, batch.slot_positions_host
+    return batch.cu_seqlens, batch.slot_positions
 
 
 class MlaLayer:

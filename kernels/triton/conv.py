@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.host_index import index_tables
 from kernels.triton.tuning import kernel_config, pow2_at_least
 
 
@@ -118,7 +119,7 @@ def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
                        slot_ids: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
     """x [T, C], weight [C, K_conv] -> y [T, C] (dtype of x); conv_state[slot_ids] gets each new window."""
     kernel = _check(x, weight, conv_state)
-    bounds = cu_seqlens.tolist()                                                # one host sync per call
+    bounds = cu_seqlens.tolist()                     # one host sync per call (none when cu_seqlens is on the host)
     num_seqs = len(bounds) - 1
     if bounds[-1] != x.shape[0] or slot_ids.numel() != num_seqs or has_initial_state.numel() != num_seqs:
         raise ValueError(f"short_conv_prefill: cu_seqlens {bounds}, slot_ids [{slot_ids.numel()}] and "
@@ -135,16 +136,13 @@ def short_conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.
             block_seq.append(b)
             block_pos.append(pos)
     device = x.device
-    cu32 = torch.tensor(bounds, dtype=torch.int32, device=device)
-    slots = slot_ids.to(device=device, dtype=torch.int64)
+    cu32, slots, block_seq_t, block_pos_t = index_tables([bounds, slot_ids.tolist(), block_seq, block_pos], device)
     has_init = has_initial_state.to(device=device, dtype=torch.int32)
     block_c = min(cfg.block_c, pow2_at_least(channels))
     num_c_blocks = triton.cdiv(channels, block_c)
     if block_seq:
         _conv_prefill_kernel[(len(block_seq), num_c_blocks)](
-            x, weight, y, conv_state, conv_state.stride(0), slots, has_init, cu32,
-            torch.tensor(block_seq, dtype=torch.int32, device=device),
-            torch.tensor(block_pos, dtype=torch.int32, device=device), channels,
+            x, weight, y, conv_state, conv_state.stride(0), slots, has_init, cu32, block_seq_t, block_pos_t, channels,
             KW=kernel, BT=cfg.block_t, BC=block_c, num_warps=cfg.num_warps)
     _conv_window_kernel[(num_seqs, num_c_blocks)](
         x, conv_state, conv_state.stride(0), slots, has_init, cu32, channels,
