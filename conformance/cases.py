@@ -144,7 +144,8 @@ def build_mla_prefill(p: dict, gen: torch.Generator) -> OpCall:
     k_lens = [q + c for q, c in zip(q_lens, prefix_lens)]
     return OpCall(dict(q=_randn(gen, sum(q_lens), heads, qk_dim), k=_randn(gen, sum(k_lens), heads, qk_dim),
                        v=_randn(gen, sum(k_lens), heads, v_dim), cu_seqlens_q=_cu_seqlens(q_lens),
-                       cu_seqlens_k=_cu_seqlens(k_lens), scale=qk_dim ** -0.5), frozenset(), {})
+                       cu_seqlens_k=_cu_seqlens(k_lens), scale=qk_dim ** -0.5), frozenset(), {},
+                  frozenset({"cu_seqlens_q", "cu_seqlens_k"}) if p.get("host_metadata") else frozenset())
 
 
 def build_mla_decode(p: dict, gen: torch.Generator) -> OpCall:
@@ -260,6 +261,8 @@ def _cases() -> list[Case]:
     add("mla_prefill", "no-prefix-1-15-65", "quick", q_lens=[1, 15, 65], prefix_lens=[0, 0, 0], H=2, Dqk=64, Dv=64)
     add("mla_prefill", "prefix-63+1-0+64", "quick", q_lens=[1, 64], prefix_lens=[63, 0], H=1, Dqk=96, Dv=64)
     add("mla_prefill", "empty-batch", "quick", q_lens=[], prefix_lens=[], H=1, Dqk=64, Dv=64)
+    add("mla_prefill", "host-metadata-prefix", "quick", q_lens=[3, 40], prefix_lens=[10, 0], H=2, Dqk=64, Dv=64,
+        host_metadata=True)
     add("mla_prefill", "prefix-1000", "full", q_lens=[1000, 1, 63], prefix_lens=[0, 999, 200], H=4, Dqk=192, Dv=128)
     add("mla_decode", "lens-1-15-65-page16", "quick", seq_lens=[1, 15, 65], H=2, D_latent=40, v_dim=32, page_size=16)
     add("mla_decode", "lens-64-page64", "quick", seq_lens=[64, 63], H=1, D_latent=72, v_dim=64, page_size=64)

@@ -104,7 +104,8 @@ OPS: tuple[OpInfo, ...] = (
         mla_prefill(q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv], cu_seqlens_q [B+1], cu_seqlens_k [B+1],
                     scale) -> o [Tq, H, Dv]
         Causal softmax attention per sequence with the queries aligned to the END of the keys (query i of a
-        sequence with Lq queries and Lk keys sees keys j <= Lk - Lq + i): a cached prefix plus new tokens."""),
+        sequence with Lq queries and Lk keys sees keys j <= Lk - Lq + i): a cached prefix plus new tokens.
+        cu_seqlens_q and cu_seqlens_k may be on the host (the model passes them so), as for kda_prefill."""),
     OpInfo("mla_decode", "kernels.torch.mla:mla_decode", """
         mla_decode(q [B, H, D_latent], kv_cache, page_table [B, max_pages] int32, seq_lens [B] int32, scale,
                    v_dim) -> MlaDecodeOut

@@ -23,3 +23,4 @@ def test_forward_batch_carries_host_copies_of_cu_seqlens_and_slots():
     assert torch.equal(batch.cu_seqlens_host, batch.cu_seqlens.cpu())
     assert torch.equal(batch.slot_positions_host, batch.slot_positions.cpu())
     assert batch.cu_seqlens_host.tolist() == [0, 3, 4, 6] and batch.slot_positions_host.tolist() == [4, 2, 0]
+    assert torch.equal(batch.cu_seqlens_k_host, batch.cu_seqlens_k.cpu()) and batch.cu_seqlens_k_host.tolist()[-1] == 11

@@ -128,6 +128,8 @@ class MlaLayer:
         k_pe = keys[:, None, self.kv_rank:].expand(-1, self.num_heads, self.rope)       # [Tk, Hm, rope]
         k = torch.cat([kv[..., : self.nope], k_pe], dim=-1)                             # [Tk, Hm, Dqk]
         v = kv[..., self.nope:].contiguous()                                            # [Tk, Hm, v]
+        if batch.cu_seqlens_host is not None and batch.cu_seqlens_k_host is not None:   # read on the host: no wait
+            return ops.mla_prefill(q, k, v, batch.cu_seqlens_host, batch.cu_seqlens_k_host, self.scale)
         return ops.mla_prefill(q, k, v, batch.cu_seqlens, batch.cu_seqlens_k, self.scale)
 
     def _decode(self, ops, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

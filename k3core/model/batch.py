@@ -53,9 +53,10 @@ class ForwardBatch:
     new_owned_rows: torch.Tensor | None = None      # [T_own] rows of T whose latent this rank stores
     local_seq_lens: torch.Tensor | None = None      # [B] int32 tokens of each sequence stored here
     key_gather_index: torch.Tensor | None = None    # [Tk] rows of the DCP-gathered local keys, in global order
-    # CPU copies of cu_seqlens and slot_positions: the prefill ops plan on the host, and reading a device tensor
-    # there waits for the GPU to drain (per layer). None where no prefill op runs (captured decode graphs).
+    # CPU copies of cu_seqlens(_k) and slot_positions: the prefill ops plan on the host, and reading a device
+    # tensor there waits for the GPU to drain (per layer). None where no prefill op runs (captured decode graphs).
     cu_seqlens_host: torch.Tensor | None = None
+    cu_seqlens_k_host: torch.Tensor | None = None
     slot_positions_host: torch.Tensor | None = None
 
     @property
@@ -124,6 +125,7 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
         token_ids=tensor(tokens, torch.int64),
         cu_seqlens=tensor(cu, torch.int32),
         cu_seqlens_host=torch.tensor(cu, dtype=torch.int32),
+        cu_seqlens_k_host=torch.tensor(cu_k, dtype=torch.int32),
         slot_positions_host=torch.tensor(slots, dtype=torch.int64),
         cu_seqlens_k=tensor(cu_k, torch.int32),
         prefix_lens=tensor(prefix, torch.int32),

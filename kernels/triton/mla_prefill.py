@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.host_index import index_tables
 from kernels.triton.tuning_ops import mla_prefill_config
 
 
@@ -123,8 +124,15 @@ def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     num_seqs = cu_seqlens_q.numel() - 1
     if num_q_tokens == 0 or num_seqs == 0:
         return out
-    # the grid needs the longest query run; one small device->host copy per call
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    # the grid needs the longest query run: free when the caller passes cu_seqlens on the host (the model does;
+    # both then reach the device in one non-blocking copy), else one device->host copy that waits for the GPU
+    if cu_seqlens_q.device.type == "cpu" and q.device.type != "cpu":
+        bounds_q = cu_seqlens_q.tolist()
+        max_q_len = max(b - a for a, b in zip(bounds_q[:-1], bounds_q[1:]))
+        cu_seqlens_q, cu_seqlens_k = index_tables([bounds_q, cu_seqlens_k.tolist()], q.device)
+    else:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        cu_seqlens_k = cu_seqlens_k.to(q.device)
     config = mla_prefill_config(q.device, head_dim_qk, q.element_size())
     head_part, tail_block = split_head_dim(head_dim_qk)
     grid = (triton.cdiv(max_q_len, config.block_m), num_seqs, num_heads)
