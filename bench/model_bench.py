@@ -135,7 +135,8 @@ def correctness_gate(config, weights: dict, ops: dict, dtype: torch.dtype, devic
                      generator: torch.Generator, prompt_len: int) -> dict:
     """Both backends against a float32 reference of the same weights (cast in place to `dtype` afterwards)."""
     smooth = dataclasses.replace(config, num_experts_per_token=config.num_experts)
-    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(int(generator.initial_seed()))).tolist()
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(int(generator.initial_seed()))).tolist()
     reference_ops = select_ops("torch", OpSpec(config, torch.float32, device))
     network = Network(smooth, weights, reference_ops)
     reference = network.forward(*scratch_forward(smooth, prompt, torch.float32, device)).clone()
@@ -185,7 +186,8 @@ def _graph_replay_check(config, network, prompt: list[int], dtype, device, smoke
     error = relative_error(replayed, eager)
     progress(f"gate: graph replay vs eager decode step {error:.2e} (tolerance {GRAPH_REPLAY_TOL:.0e})")
     graph.close()
-    return {"graph_error_vs_eager": error, "graph_tolerance": GRAPH_REPLAY_TOL, "graph_passed": error <= GRAPH_REPLAY_TOL}
+    return {"graph_error_vs_eager": error, "graph_tolerance": GRAPH_REPLAY_TOL,
+            "graph_passed": error <= GRAPH_REPLAY_TOL}
 
 
 # ---- 2. timings --------------------------------------------------------------------------------------------
@@ -287,7 +289,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Whole-model benchmark: {result['model']} ({result['dtype']}, random weights)", "", header, "",
              gate_line, ""]
     if result["rows"]:
-        lines += ["| measurement | backend | mode | ms | tok/s | % of memory floor | note |", "|---|---|---|---|---|---|---|"]
+        lines += ["| measurement | backend | mode | ms | tok/s | % of memory floor | note |",
+                  "|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             ms = "-" if r.get("ms") is None else f"{r['ms']:.3f}"
             rate = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.1f}"

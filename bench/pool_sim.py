@@ -273,7 +273,8 @@ def plot_timelines(trace: Trace, timelines: dict[str, Timeline], results: dict[s
                          labels=["used KDA", "free (KDA partition only)", "free (MLA partition only)", "used MLA"],
                          step="post")
             ax.axhline(static_kda_units, color="black", linestyle="--", linewidth=1)
-            title = f"static dual pool (split at start: {static_kda_units} KDA | {capacity - static_kda_units} MLA units)"
+            title = (f"static dual pool (split at start: {static_kda_units} KDA | "
+                     f"{capacity - static_kda_units} MLA units)")
         else:
             ax.stackplot(steps, line.kda_units, line.free_units, line.mla_units,
                          colors=[colours["kda"], colours["free"], colours["mla"]],

@@ -314,7 +314,8 @@ def summary(trials: list[Trial]) -> list[dict]:
         ranked = _ranked(mine)
         counts = {kind: sum(t.status.startswith(kind) for t in mine) for kind in ("ok", "wrong", "error", "skipped")}
         rows.append({"op": op, "shape": shape, "shape_class": mine[0].shape_class, "counts": counts,
-                         "default": asdict(default) if default else None, "best": asdict(ranked[0]) if ranked else None})
+                     "default": asdict(default) if default else None,
+                     "best": asdict(ranked[0]) if ranked else None})
     return rows
 
 
@@ -333,7 +334,8 @@ def markdown(rows: list[dict], trials: list[Trial], env: dict, copy_tbps: float)
     lines = [f"# Decode tuning sweep ({env['device']})", "",
              (f"torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, {env['date']}; copy ceiling "
              f"{copy_tbps:.2f} TB/s measured in this run."), "",
-             "| op | shape | class | default | best | best config | ok/wrong/error/skipped |", "|---|---|---|---|---|---|---|"]
+             "| op | shape | class | default | best | best config | ok/wrong/error/skipped |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         c = row["counts"]
         best_config = label(row["best"]["config"]) if row["best"] else "-"

@@ -107,7 +107,8 @@ def build_short_conv_prefill(p: dict, gen: torch.Generator) -> OpCall:
 def build_short_conv_decode(p: dict, gen: torch.Generator) -> OpCall:
     batch, channels, kernel, num_slots = p["B"], p["C"], p["K_conv"], p["slots"]
     slot_ids = _slots(gen, batch, num_slots)
-    conv_state = _poisoned_state(gen, (num_slots, kernel - 1, channels), slot_ids, torch.ones(batch, dtype=torch.bool), 1.0)
+    conv_state = _poisoned_state(gen, (num_slots, kernel - 1, channels), slot_ids,
+                                 torch.ones(batch, dtype=torch.bool), 1.0)
     return OpCall(dict(x=_randn(gen, batch, channels), weight=_randn(gen, channels, kernel, scale=0.5),
                        conv_state=conv_state, slot_ids=slot_ids), frozenset({"weight"}), {"conv_state": slot_ids})
 
@@ -133,7 +134,8 @@ def build_kda_prefill(p: dict, gen: torch.Generator) -> OpCall:
 def build_kda_decode(p: dict, gen: torch.Generator) -> OpCall:
     batch, heads, head_dim, num_slots = p["B"], p["H"], p["K"], p["slots"]
     slot_ids = _slots(gen, batch, num_slots)
-    state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids, torch.ones(batch, dtype=torch.bool), 0.3)
+    state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids,
+                            torch.ones(batch, dtype=torch.bool), 0.3)
     args = _kda_inputs(gen, batch, heads, head_dim)
     args.update(gate=_gate(gen, heads, head_dim, p["form"]), state=state, slot_ids=slot_ids, scale=head_dim ** -0.5)
     return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids}, _host_metadata(p))

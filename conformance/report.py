@@ -89,6 +89,7 @@ def write(results: list[CaseResult], path: str | Path, header: dict[str, str]) -
         note = (f"{row.failed} failed, {row.errors} errors ({row.worst_case})" if row.failed or row.errors else "")
         if row.skipped:
             note += f" {row.skipped} skipped: {row.skip_reason}"
-        md.append(f"| {row.op} | {row.provider} | {row.dtype} | {row.passed}/{ran} | {_worst_text(row)} | {note.strip()} |")
+        md.append(f"| {row.op} | {row.provider} | {row.dtype} | {row.passed}/{ran} | {_worst_text(row)} | "
+                  f"{note.strip()} |")
     md_path.write_text("\n".join(md) + "\n")
     return json_path, md_path

@@ -79,7 +79,8 @@ def named_outputs(op: str, result: Any) -> dict[str, torch.Tensor]:
         outputs = {"out": result}
     if op == "moe_route":      # top-k order is not part of the contract: compare per-token sets, sorted by id
         order = outputs["expert_ids"].argsort(dim=-1)
-        outputs = {"weights": outputs["weights"].gather(-1, order), "expert_ids": outputs["expert_ids"].gather(-1, order)}
+        outputs = {"weights": outputs["weights"].gather(-1, order),
+                   "expert_ids": outputs["expert_ids"].gather(-1, order)}
     return outputs
 
 

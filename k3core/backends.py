@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table.describe())
     fallbacks = [c.op for c in table.choices.values() if backend != "torch" and c.provider.startswith("torch.")]
     if fallbacks:
-        print(f"fallback to the torch reference for {len(fallbacks)} of {len(table.choices)} ops: {', '.join(fallbacks)}")
+        print(f"fallback to the torch reference for {len(fallbacks)} of {len(table.choices)} ops: "
+              f"{', '.join(fallbacks)}")
     from backends.common import device_facts  # noqa: PLC0415  (backends/ imports vendor code lazily itself)
     facts = device_facts()
     print(f"device: {facts.describe() if facts else 'no GPU visible (CPU only)'}")

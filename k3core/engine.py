@@ -106,7 +106,8 @@ class Engine:
         if options.checkpoint_interval % self.page_size:
             raise ValueError(f"checkpoint_interval ({options.checkpoint_interval}) must be a multiple of the "
                              f"logical page size {self.page_size} (page_size x dcp)")
-        self.cache = RadixCache(self.pool, self.page_size, options.checkpoint_interval) if options.prefix_cache else None
+        self.cache = (RadixCache(self.pool, self.page_size, options.checkpoint_interval)
+                      if options.prefix_cache else None)
         self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
             options.max_running_requests, options.chunked_prefill_tokens, self.page_size))
         self.requests: dict[str, Request] = {}

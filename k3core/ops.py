@@ -73,7 +73,8 @@ OPS: tuple[OpInfo, ...] = (
     OpInfo("glu_activation", "kernels.torch.activation:glu_activation", """
         glu_activation(x [T, 2I], activation, situ_beta, situ_linear_beta) -> [T, I]
         x = [gate | up] (non-interleaved). silu: silu(gate) * up.
-        situ: (b * tanh(gate / b) * sigmoid(gate)) * (bl * tanh(up / bl)) (up term skipped if bl is None). float32 math."""),
+        situ: (b * tanh(gate / b) * sigmoid(gate)) * (bl * tanh(up / bl)) (up term skipped if bl is None).
+        float32 math."""),
     OpInfo("kda_gate", "kernels.torch.kda:kda_gate", """
         kda_gate(f [T, H, K], params: KdaGateParams) -> g [T, H, K] float32 log-decay (<= 0)."""),
     OpInfo("short_conv_prefill", "kernels.torch.conv:short_conv_prefill", """

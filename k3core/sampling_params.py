@@ -28,9 +28,11 @@ class SamplingParams:
             if not cond:
                 raise ValueError(message)
 
-        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs}")

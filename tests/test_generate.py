@@ -31,7 +31,8 @@ def _record_step_logits(llm, monkeypatch):
 
 @pytest.mark.parametrize("prompt_len", [1, 7, 37])
 def test_every_step_matches_prompt_logits(tiny, monkeypatch, prompt_len):
-    prompt = torch.randint(0, tiny.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    prompt = torch.randint(0, tiny.config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(prompt_len)).tolist()
     seen = _record_step_logits(tiny, monkeypatch)
     out = tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12

@@ -35,7 +35,8 @@ def test_toy_trace_unified_has_no_failures_where_static_has_some(tmp_path):
 def test_tiny_random_trace_writes_outputs_and_unified_admits_at_least_as_much(tmp_path):
     # A fixed seed: admitting a large request early can, on rare traces (about 2% of seeds here), crowd out a
     # later one the static pool would have taken, so "admits at least as much" is a property of a trace, not
-    # a theorem (seed 0 at this load is such a trace). The theorem (never refusing while the bytes are free) is checked on fresh seeds below.
+    # a theorem (seed 0 at this load is such a trace). The theorem (never refusing while the bytes are free) is
+    # checked on fresh seeds below.
     results = main(["--trace", "random", "--out-dir", str(tmp_path), "--num-requests", "40",
                     "--capacity-units", "768", "--slot-units", "16", "--long-prompt", "512,2048",
                     "--long-output", "16,64", "--short-prompt", "16,128", "--short-output", "8,48",

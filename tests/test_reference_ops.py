@@ -151,7 +151,7 @@ def test_mla_prefill_matches_dense_masked_softmax():
 
 def test_mla_decode_matches_gather_softmax():
     gen = seeded(52)
-    num_heads, latent, v_dim, page_size, max_pages = 4, 20, 16, 16, 3
+    num_heads, latent, v_dim, page_size = 4, 20, 16, 16
     arena = torch.full((10, 2, page_size, latent), float("nan"), dtype=F64)
     kv_cache = arena[:, 1]                                                   # strided page axis
     seq_lens = torch.tensor([1, 17, 48], dtype=torch.int32)
@@ -217,7 +217,7 @@ def test_reduced_precision_inputs_follow_the_float64_oracle(dtype):
     the output rounding (bf16: 2^-8 relative) and float32 internals separate them."""
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
     gen = seeded(71)
-    num_heads, head_dim, lengths = 2, 16, [5, 70]
+    num_heads, head_dim = 2, 16
     cu = torch.tensor([0, 5, 75], dtype=torch.int32)
     raw = [torch.randn(75, num_heads, head_dim, generator=gen).to(dtype) for _ in range(4)]
     beta_logits = torch.randn(75, num_heads, generator=gen).to(dtype)

@@ -42,7 +42,8 @@ def reasons(spec: OpSpec) -> list[str]:
         found.append(f"device is {spec.device.type.upper()}; torch._grouped_mm's fast path needs a CUDA device")
     config = spec.config
     if config is not None and "moe" in config.mlp_types:
-        for name, size in (("expert width", config.expert_width), ("moe_intermediate_size", config.moe_intermediate_size)):
+        for name, size in (("expert width", config.expert_width),
+                           ("moe_intermediate_size", config.moe_intermediate_size)):
             if size % 8:
                 found.append(f"{name} {size} is not a multiple of 8 (grouped GEMM rows must be 16-byte aligned)")
     return found

@@ -187,11 +187,11 @@ class _ExpertSlots:
         return dequantize_mxfp4(halves["weight_packed"], halves["weight_scale"])   # float32 [rows, cols]
 
     def place(self, weights: dict[str, torch.Tensor], r: Route, dense: torch.Tensor) -> None:
-        I = self.inner
+        inner = self.inner
         if r.part == "w2":
             weights[r.target + ".w2"][r.expert].copy_(dense)               # [De, I]
         else:
-            rows = slice(0, I) if r.part == "w1" else slice(I, 2 * I)     # w13: gate rows, then up rows
+            rows = slice(0, inner) if r.part == "w1" else slice(inner, 2 * inner)     # w13: gate rows, then up rows
             weights[r.target + ".w13"][r.expert, rows].copy_(dense)        # [I, De]
         self.filled.setdefault(r.target, set()).add((r.expert, r.part))
 
