@@ -13,10 +13,10 @@ import torch
 import triton
 
 from k3core.ops import KdaGateParams, KdaPrefillOut
+from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
-from kernels.triton.host_index import index_tables
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
