@@ -40,7 +40,7 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
     # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): 64 x 512 tokens
     # took 0.31 ms against 0.74 ms with kda_state, 8 x 4K 0.36 against 0.71 (tune-prefill-nvidia-h200.md). In that sweep
-    # (Triton 3.6) four configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8):
+    # (Triton 3.6) three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8):
     # the float64 check rejected them. Any new entry here must come out of that checked sweep.
     "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
