@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
-KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state")   # kda_prep + kda_solve = the split intra pass
+# kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass
+KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_output")
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,21 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "u_ptr": "bf16", "aqk_ptr": "bf16"}
         scalars = {}
         consts = dict(KDA_SHAPE, BVF=128, SUB=16, DENSE=True, PRECISION="tf32")
-    elif kernel == "kda_state":
+    elif kernel == "kda_output":
+        from kernels.triton.kda_chunk_state import kda_chunk_output_kernel as fn  # noqa: PLC0415
+        pointers = {"qg_ptr": "bf16", "aqk_ptr": "bf16", "hs_ptr": "bf16", "un_ptr": "bf16", "o_ptr": "bf16",
+                    "chunk_start_ptr": "i32", "chunk_len_ptr": "i32"}
+        scalars = {"scale": "fp32"}
+        consts = dict(KDA_SHAPE, PRECISION="ieee")
+    elif kernel in ("kda_state", "kda_state_split"):
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
         pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
                         cu_seqlens_ptr="i32", seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
-                        ckpt_ptr="fp32", seq_ckpt_ptr="i32")
+                        ckpt_ptr="fp32", seq_ckpt_ptr="i32", hs_ptr="bf16", un_ptr="bf16")
         scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
-        consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee")
+        consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee",
+                      STORE_H=kernel == "kda_state_split")
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     names = fn.arg_names
@@ -95,7 +103,7 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
     consts["BT"] = chunk
-    if kernel == "kda_state":
+    if kernel in ("kda_state", "kda_state_split", "kda_output"):
         consts["BV"] = block_v or 16
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -116,7 +124,8 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
                    ("kda_prep", 4, 1, None), ("kda_prep", 8, 1, None),
                    ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
-                   ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64))
+                   ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
+                   ("kda_state_split", 4, 2, 16), ("kda_state_split", 4, 2, 64), ("kda_output", 4, 1, 64))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
     wanted = set(args.kernels.split(","))
     print(f"sm_{args.arch}, {KDA_SHAPE['H']} heads, K = V = {KDA_SHAPE['K']}, bf16")
-    print(f"{'kernel':10} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9}")
+    print(f"{'kernel':16} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9}")
     for chunk in (int(c) for c in args.chunks.split(",")):
         for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
             if kernel not in wanted:
                 continue
             r = measure(kernel, warps, stages, args.arch, block_v, chunk)
-            print(f"{r.kernel:10} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
+            print(f"{r.kernel:16} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
     return 0
 
 

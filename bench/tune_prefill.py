@@ -6,14 +6,13 @@
 kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
 shapes but the 128K one (32K has the same form), this times the whole op, each pass alone with the table configs,
-and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for. Then each pass
-is swept on its own over (num_warps, num_stages), for `intra` one kernel or two (split), for `state` the value
-block. Every trial first runs on NaN-filled workspace and outputs, and the op's output and final states are
-checked against the float64 reference (bench/cases_kda); only a config that compiled and passed is timed
-(do_bench median, the sweep's short budget). Configs past the time budget are listed as skipped. Results:
-tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with the best config of each pass per
-shape and chunk size (the table is `_NVIDIA` in kernels/triton/tuning.py).
-"""
+and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for. Then each pass is
+swept on its own over (num_warps, num_stages), for `intra` one kernel or two (split), for `state` the value block
+and whether the outputs come from a separate parallel kernel (split). Every trial first runs on NaN-filled workspace
+and outputs, and the op's output and final states are checked against the float64 reference (bench/cases_kda); only
+a config that compiled and passed is timed (do_bench median, the sweep's short budget). Configs past the time budget
+are listed as skipped. Results: tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with
+the best config of each pass per shape and chunk size (the table is `_NVIDIA` in kernels/triton/tuning.py)."""
 from __future__ import annotations
 
 import argparse
@@ -52,9 +51,11 @@ SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(leng
 # two-kernel form (kernels/triton/kda_chunk_split.py), which spills far less (bench.kernel_resources)
 INTRA_GRID = tuple((warps, 1, split) for split in (False, True) for warps in (4, 8, 16))
 # 3 and 4 stages never beat 2 in the first H200 sweep (tune-prefill-nvidia-h200.md, 64 x 512)
-STATE_GRID = tuple((block_v, warps, stages) for block_v in (16, 32, 64) for warps in (2, 4, 8) for stages in (1, 2))
+STATE_GRID = tuple((block_v, warps, stages, False) for block_v in (16, 32, 64) for warps in (2, 4, 8)
+                   for stages in (1, 2)) + tuple((block_v, warps, 2, True) for block_v in (16, 32, 64)
+                                                 for warps in (4, 8))                  # split: outputs apart
 PASSES = ("intra", "state")
-SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1, False), (2, 1, True)), ((8, 1, 1), (16, 1, 1))
+SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1, False), (2, 1, True)), ((8, 1, 1, False), (16, 1, 1, True))
 
 
 @dataclasses.dataclass
@@ -73,12 +74,13 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
     return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split) for w, s, split in intra_grid],
-            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s) for b, w, s in state_grid])
+            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split)
+             for b, w, s, split in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
     keys = ("num_warps", "num_stages", "split", "solve_precision") if kind == "intra" else (
-        "block_v", "num_warps", "num_stages")
+        "block_v", "num_warps", "num_stages", "split")
     return {key: getattr(config, key) for key in keys}
 
 

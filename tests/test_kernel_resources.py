@@ -22,7 +22,7 @@ def test_reports_registers_and_stack_of_the_state_pass():
     result = _run("--kernels", "kda_state", "--chunks", "64")
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("kda_state ")]
-    assert len(rows) == 3
+    assert len(rows) == 3                            # the three kda_state rows of DEFAULT_CONFIGS
     for row in rows:
         registers, stack, shared = map(int, row[-3:])
         assert 0 < registers <= 255 and stack >= 0 and shared > 0

@@ -339,9 +339,11 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
 
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
                          [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
-def test_split_intra_pass_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong):
-    """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split) gives the reference's outputs,
-    states and checkpoints, on both gate forms and with empty sequences in the batch."""
+@pytest.mark.parametrize("split_pass", ["intra", "state", "both"])
+def test_split_passes_match_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong, split_pass):
+    """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split), the state pass with its outputs
+    from a parallel kernel (kda_chunk_output_kernel), or both, give the reference's outputs, states and
+    checkpoints, on both gate forms and with empty sequences in the batch."""
     import dataclasses
 
     from kernels.triton.kda_prefill import prepare_kda_prefill
@@ -356,8 +358,8 @@ def test_split_intra_pass_matches_reference(form, chunk_size, lengths, k_dim, v_
     launch, out = prepare_kda_prefill(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
                                       has_initial_state=has_initial_state, scale=0.37,
                                       checkpoint_interval=interval, chunk_size=chunk_size)
-    launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=True))
-    launch.state()
+    launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
+    launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both")))
     expected = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=cu_seqlens, state=expected_state,
                                    slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
                                    checkpoint_interval=interval)

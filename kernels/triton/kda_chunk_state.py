@@ -19,10 +19,11 @@ import triton.language as tl
 @triton.jit
 def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                 w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr,
-                ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """One chunk of one sequence: writes O for this value block, returns the state after the chunk."""
+                PRECISION: tl.constexpr, STORE_H: tl.constexpr):
+    """One chunk of one sequence: writes O for this value block (or, with STORE_H, the state entering the chunk
+    and U for `kda_chunk_output_kernel`), returns the state after the chunk."""
     k_ok = cols_k < K
     v_ok = cols_v < V
     mask_h = k_ok[:, None] & v_ok[None, :]
@@ -36,17 +37,25 @@ def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_of
     offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
     offs_v = head_row[:, None] * V + cols_v[None, :]                        # [BT, BV]
     w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
-    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
+    if not STORE_H:                                                         # (loads in the fused kernel's order)
+        qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
     kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
     u0 = tl.load(u_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)    # [BT, BV]
-    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
+    if not STORE_H:
+        aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
     decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)  # [BK]
 
     h_in = h.to(DOT_DTYPE)
     u = u0 - tl.dot(w, h_in, input_precision=PRECISION)                   # [BT, BV]
-    o = tl.dot(qg, h_in, input_precision=PRECISION)                       # [BT, BV]
-    o += tl.dot(aqk, u.to(DOT_DTYPE), input_precision=PRECISION)
-    tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)
+    if STORE_H:
+        # [num_chunks, H, K, V] in the workspace dtype: exactly the operand the fused product would use
+        tl.store(hs_ptr + ((i_chunk * H + i_h) * K + cols_k[:, None]).to(tl.int64) * V + cols_v[None, :], h_in,
+                 mask=mask_h)
+        tl.store(un_ptr + offs_v, u.to(DOT_DTYPE), mask=mask_v)
+    else:
+        o = tl.dot(qg, h_in, input_precision=PRECISION)                   # [BT, BV]
+        o += tl.dot(aqk, u.to(DOT_DTYPE), input_precision=PRECISION)
+        tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)
     h = decay[:, None] * h + tl.dot(tl.trans(kd), u.to(DOT_DTYPE), input_precision=PRECISION)  # [BK, BV]
 
     if CHECKPOINTS:
@@ -68,9 +77,10 @@ def kda_chunk_state_kernel(
         cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,   # int32 tables
         ckpt_ptr, seq_ckpt_ptr, ckpt_interval,                           # [N, H, V, K] f32, int32 [B + 1]
         scale,
+        hs_ptr, un_ptr,                                                  # STORE_H: [chunks, H, K, V], [T, H, V]
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr):
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, STORE_H: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -97,14 +107,46 @@ def kda_chunk_state_kernel(
         while i_chunk < end_chunk:
             h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                             w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
-                            H, K, V, BT, CHECKPOINTS, PRECISION)
+                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                            H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
             h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                             w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
-                            H, K, V, BT, CHECKPOINTS, PRECISION)
+                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                            H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
+
+
+@triton.jit
+def kda_chunk_output_kernel(
+        qg_ptr, aqk_ptr, hs_ptr, un_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, scale,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """O = scale (Qg S0^T + Aqk U) for one (chunk, head, value block), in parallel over all of them, from the
+    states and U that the state pass stored with STORE_H (the split state pass, `KernelConfig.split`): the
+    sequential loop then carries two products per chunk instead of four."""
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + i_chunk)
+    rows = tl.arange(0, BT)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    row_ok = rows < length
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    head_row = (start + rows) * H + i_h                                     # [BT]
+    qg = tl.load(qg_ptr + head_row[:, None] * K + cols_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
+    h_in = tl.load(hs_ptr + ((i_chunk * H + i_h) * K + cols_k[:, None]).to(tl.int64) * V + cols_v[None, :],
+                   mask=k_ok[:, None] & v_ok[None, :], other=0.0)       # [BK, BV]
+    offs_v = head_row[:, None] * V + cols_v[None, :]
+    mask_v = row_ok[:, None] & v_ok[None, :]
+    u = tl.load(un_ptr + offs_v, mask=mask_v, other=0.0)                  # [BT, BV]
+    o = tl.dot(qg, h_in, input_precision=PRECISION)
+    o += tl.dot(aqk, u, input_precision=PRECISION)
+    tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)

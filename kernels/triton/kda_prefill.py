@@ -16,7 +16,7 @@ from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
-from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
+from kernels.triton.kda_chunk_state import kda_chunk_output_kernel, kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
@@ -174,6 +174,7 @@ class PrefillLaunch:
                                  device=device)                                # exp(G_last)
         self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
         self._scratch: tuple[torch.Tensor, ...] | None = None          # split intra pass only, made on first use
+        self._state_scratch: tuple[torch.Tensor, ...] | None = None    # split state pass only, made on first use
 
     def _precision(self, config: KernelConfig) -> str:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
@@ -234,15 +235,34 @@ class PrefillLaunch:
         return wide if programs >= compute_units(self.q.device) else kernel_config("kda_state")
 
     def state(self, config: KernelConfig | None = None) -> None:
-        """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints."""
+        """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
+
+        config.split: the sequential loop only carries the state (and stores it, per chunk, with U), and
+        `kda_chunk_output_kernel` forms the outputs in parallel over chunks afterwards."""
         config = config or self.state_config()
         block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
         grid = (triton.cdiv(self.v_dim, block_v), self.num_heads, self.num_seqs)
+        hs = un = self.output                                          # not touched unless config.split
+        if config.split:
+            if self._state_scratch is None:
+                # the state entering each chunk [chunks, H, K, V] and U [T, H, V], in the workspace dtype
+                self._state_scratch = (
+                    torch.empty(self.num_chunks, self.num_heads, self.k_dim, self.v_dim, dtype=self.work_dtype,
+                                device=self.w.device),
+                    torch.empty_like(self.u0))
+            hs, un = self._state_scratch
         kda_chunk_state_kernel[grid](
             self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, self.state_tensor,
             self.state_tensor.stride(0), self.plan.slots, self.has_init, self.plan.cu_seqlens, self.plan.seq_chunk,
             self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, self.plan.seq_ckpt,
-            max(self.checkpoint_interval, 1), self.scale,
+            max(self.checkpoint_interval, 1), self.scale, hs, un,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
-            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
+            PRECISION=self._precision(config), STORE_H=config.split, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        if config.split and self.num_chunks > 0:
+            block_out = min(64, pow2_at_least(self.v_dim))
+            kda_chunk_output_kernel[(self.num_chunks, self.num_heads, triton.cdiv(self.v_dim, block_out))](
+                self.qg, self.aqk, hs, un, self.output, self.plan.chunk_start, self.plan.chunk_len, self.scale,
+                H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
+                BV=block_out, PRECISION=self._precision(config), num_warps=4)

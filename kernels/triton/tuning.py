@@ -27,7 +27,8 @@ class KernelConfig:
     num_stages: int = 1
     # tl.dot input_precision for float32 operands (the triangular solve, W, U0) when the inputs are 16-bit.
     solve_precision: str = "ieee"
-    # KDA intra pass as two lighter kernels (kernels/triton/kda_chunk_split.py) instead of one that spills
+    # kda_intra: the pass as two lighter kernels (kernels/triton/kda_chunk_split.py) instead of one that spills;
+    # kda_state*: outputs from a parallel kernel after the sequential loop (kda_chunk_output_kernel)
     split: bool = False
 
 
