@@ -16,6 +16,7 @@ import torch
 
 WARMUP_MS = 25          # do_bench warm-up budget (milliseconds, not iterations)
 REP_MS = 100            # do_bench measuring budget
+SWEEP_WARMUP_MS, SWEEP_REP_MS = 5, 25   # the tuning sweeps' shorter budget (hundreds of configs in one call)
 MAX_INPUT_SETS = 32     # cap on rotated input sets (each costs memory and, for graphs, capture time)
 DEFAULT_L2_BYTES = 50 * 2**20   # H100/H200 L2, used when torch does not report it
 
@@ -38,16 +39,18 @@ class Timing:
 class Timer:
     """One timing policy for the whole run (device events on a GPU, a host clock in smoke runs)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, warmup_ms: int = WARMUP_MS, rep_ms: int = REP_MS,
+                 method: str = "do_bench median"):
         self.device = device
         self.on_gpu = device.type == "cuda"
+        self.warmup_ms, self.rep_ms, self.method = warmup_ms, rep_ms, method
 
     def time(self, fn: Callable[[], object]) -> Timing:
         if not self.on_gpu:
             return Timing(_host_median_ms(fn), "host clock (smoke: not a measurement)")
         import triton.testing  # noqa: PLC0415  (triton only where a GPU is)
-        ms = triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
-        return Timing(float(ms), "do_bench median")
+        ms = triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        return Timing(float(ms), self.method)
 
     def time_rotating(self, calls: Sequence[Callable[[], object]]) -> Timing:
         """Eager timing that cycles through the input sets, one set per call."""
@@ -87,6 +90,11 @@ class Timer:
         timing = self.time(graph.replay)
         return Timing(timing.ms / len(calls), f"CUDA graph of {len(calls)} calls (rotated inputs), do_bench median")
 
+
+
+def sweep_timer(device: torch.device) -> Timer:
+    """The same policy with the sweeps' shorter do_bench budget (bench.tune_decode, bench.tune_prefill)."""
+    return Timer(device, SWEEP_WARMUP_MS, SWEEP_REP_MS, "do_bench median (sweep budget)")
 
 def _host_median_ms(fn: Callable[[], object], reps: int = 3) -> float:
     fn()                                            # warm-up: interpreter setup, first-call caches

@@ -35,7 +35,7 @@ from bench.context import (
     make_context,
 )
 from bench.report import check, environment, poison_allocator
-from bench.timing import Timer, Timing, measure_ceilings, num_input_sets
+from bench.timing import measure_ceilings, num_input_sets, sweep_timer
 from k3core.ops import KdaGateParams
 from kernels.triton.tuning_ops import (
     KDA_DECODE_BATCH_CLASSES,
@@ -50,7 +50,6 @@ from kernels.triton.tuning_ops import (
 OPS = ("mla", "kda")
 TIME_BUDGET_S = 210.0            # the whole sweep after imports; the lead's device call allows 240 s
 KDA_SHARE = 0.25                 # KDA's share of the budget when both ops run (its grid is small)
-SWEEP_WARMUP_MS, SWEEP_REP_MS = 5, 25
 
 MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE = 12, 576, 512, 64
 MLA_SCALE = 192 ** -0.5
@@ -102,17 +101,6 @@ class Trial:
     tbps: float | None = None
     pct_copy: float | None = None
     timing: str = ""
-
-
-class SweepTimer(Timer):
-    """bench.timing's policy (CUDA graph of rotated inputs, do_bench median) with a shorter do_bench budget."""
-
-    def time(self, fn: Callable[[], object]) -> Timing:
-        if not self.on_gpu:
-            return super().time(fn)
-        import triton.testing
-        ms = triton.testing.do_bench(fn, warmup=SWEEP_WARMUP_MS, rep=SWEEP_REP_MS, return_mode="median")
-        return Timing(float(ms), "do_bench median (sweep budget)")
 
 
 class Sweep:
@@ -385,7 +373,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                          "starts: run `TRITON_INTERPRET=1 python -m bench.tune_decode --smoke`")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
-    ctx.timer = SweepTimer(ctx.device)
+    ctx.timer = sweep_timer(ctx.device)
     grid = SMOKE_GRID if args.smoke else GPU_GRID
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
     env = environment(ctx.device, args.smoke)

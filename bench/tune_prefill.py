@@ -41,7 +41,7 @@ from bench.cases_kda import (
 )
 from bench.context import fla_unavailable, make_context
 from bench.report import environment, poison_allocator
-from bench.tune_decode import SweepTimer
+from bench.timing import sweep_timer
 from kernels.triton.kda_prefill import PrefillLaunch, kda_prefill, prepare_kda_prefill
 from kernels.triton.tuning import KernelConfig, kernel_config
 
@@ -255,7 +255,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
                          "starts: run `TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke`")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
-    ctx.timer = SweepTimer(ctx.device)
+    ctx.timer = sweep_timer(ctx.device)
     heads, dim = (SMOKE_HEADS, SMOKE_HEAD_DIM) if args.smoke else (HEADS, HEAD_DIM)
     shapes = SMOKE_PREFILL_SHAPES if args.smoke else SHAPES
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
