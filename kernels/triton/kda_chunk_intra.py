@@ -119,6 +119,22 @@ def _unit_lower_inverse(a, rows, BT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk, i_h, H: tl.constexpr, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr):
+    """Where the rows of one (chunk, head) program live in [T, H, K]: (length, rows, cols_k, row_ok, head_row,
+    mask_k, offs_k). Shared by every per-chunk KDA kernel (intra, split prep/solve, split outputs)."""
+    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + i_chunk)
+    rows = tl.arange(0, BT)
+    cols_k = tl.arange(0, BK)
+    row_ok = rows < length
+    head_row = (start + rows) * H + i_h                                         # [BT] row of [T * H]
+    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
+    offs_k = head_row[:, None] * K + cols_k[None, :]                            # [BT, BK]
+    return length, rows, cols_k, row_ok, head_row, mask_k, offs_k
+
+
+@triton.jit
 def kda_chunk_intra_kernel(
         q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,   # inputs [T, H, *]
         chunk_start_ptr, chunk_len_ptr,                                  # int32 [num_chunks]
@@ -129,16 +145,10 @@ def kda_chunk_intra_kernel(
         FORM: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
     i_chunk = tl.program_id(0)
     i_h = tl.program_id(1)
-    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
-    length = tl.load(chunk_len_ptr + i_chunk)
-    rows = tl.arange(0, BT)
-    cols_k = tl.arange(0, BK)
+    length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
+                                                                         i_h, H, K, BT, BK)
     cols_v = tl.arange(0, BVF)
-    row_ok = rows < length
-    head_row = (start + rows) * H + i_h                                         # [BT] row of [T * H]
-    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
-    offs_k = head_row[:, None] * K + cols_k[None, :]                            # [BT, BK]
     offs_v = head_row[:, None] * V + cols_v[None, :]                            # [BT, BVF]
     DOT_DTYPE = w_ptr.dtype.element_ty
 

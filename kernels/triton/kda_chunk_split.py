@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.kda_chunk_intra import (
+    _chunk_rows,
     _pair_matrices_dense,
     _pair_matrices_exact,
     _row,
@@ -38,14 +39,8 @@ def kda_chunk_prep_kernel(
         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, FORM: tl.constexpr):
     i_chunk = tl.program_id(0)
     i_h = tl.program_id(1)
-    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
-    length = tl.load(chunk_len_ptr + i_chunk)
-    rows = tl.arange(0, BT)
-    cols_k = tl.arange(0, BK)
-    row_ok = rows < length
-    head_row = (start + rows) * H + i_h                                         # [BT] row of [T * H]
-    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
-    offs_k = head_row[:, None] * K + cols_k[None, :]                            # [BT, BK]
+    length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
+                                                                         i_h, H, K, BT, BK)
     DOT_DTYPE = qg_ptr.dtype.element_ty
 
     f = tl.load(f_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -84,16 +79,10 @@ def kda_chunk_solve_kernel(
         DENSE: tl.constexpr, PRECISION: tl.constexpr):
     i_chunk = tl.program_id(0)
     i_h = tl.program_id(1)
-    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
-    length = tl.load(chunk_len_ptr + i_chunk)
-    rows = tl.arange(0, BT)
-    cols_k = tl.arange(0, BK)
+    length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
+                                                                         i_h, H, K, BT, BK)
     cols_v = tl.arange(0, BVF)
-    row_ok = rows < length
-    head_row = (start + rows) * H + i_h                                         # [BT] row of [T * H]
-    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
-    offs_k = head_row[:, None] * K + cols_k[None, :]                            # [BT, BK]
     offs_v = head_row[:, None] * V + cols_v[None, :]                            # [BT, BVF]
     DOT_DTYPE = w_ptr.dtype.element_ty
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.triton.kda_chunk_intra import _chunk_rows
+
 
 @triton.jit
 def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
@@ -131,16 +133,12 @@ def kda_chunk_output_kernel(
     i_chunk = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
-    length = tl.load(chunk_len_ptr + i_chunk)
-    rows = tl.arange(0, BT)
-    cols_k = tl.arange(0, BK)
+    length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
+                                                                         i_h, H, K, BT, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
-    row_ok = rows < length
     k_ok = cols_k < K
     v_ok = cols_v < V
-    head_row = (start + rows) * H + i_h                                     # [BT]
-    qg = tl.load(qg_ptr + head_row[:, None] * K + cols_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
     aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
     h_in = tl.load(hs_ptr + ((i_chunk * H + i_h) * K + cols_k[:, None]).to(tl.int64) * V + cols_v[None, :],
                    mask=k_ok[:, None] & v_ok[None, :], other=0.0)       # [BK, BV]
