@@ -114,8 +114,9 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
-def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong):
+def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run) -> None:
+    """run(**kda_prefill kwargs) -> KdaPrefillOut against the float64 reference: outputs, the named slots'
+    states, checkpoints, and every other byte of the strided state pool untouched."""
     num_heads = 2
     cu_seqlens = _cu_seqlens(lengths).to(DEVICE)
     inputs = _inputs(int(cu_seqlens[-1]), num_heads, k_dim, v_dim, strong)
@@ -126,9 +127,8 @@ def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, inte
     expected_state = state.double()                                 # the reference updates its own copy
     arena_before = arena.clone()
 
-    out = kda_prefill(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
-                      has_initial_state=has_initial_state, scale=0.37, checkpoint_interval=interval,
-                      chunk_size=chunk_size)
+    out = run(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
+              has_initial_state=has_initial_state, scale=0.37, checkpoint_interval=interval, chunk_size=chunk_size)
     expected = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=cu_seqlens, state=expected_state,
                                    slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
                                    checkpoint_interval=interval)
@@ -144,6 +144,11 @@ def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, inte
     untouched[slot_ids.cpu()] = False
     assert torch.equal(arena[untouched], arena_before[untouched])
     assert torch.equal(arena[:, 0], arena_before[:, 0])           # the bytes between the strided states
+
+
+@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
+def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong):
+    _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, kda_prefill)
 
 
 def test_prefill_empty_batch():
@@ -347,22 +352,11 @@ def test_split_passes_match_reference(form, chunk_size, lengths, k_dim, v_dim, i
     import dataclasses
 
     from kernels.triton.kda_prefill import prepare_kda_prefill
-    num_heads = 2
-    cu_seqlens = _cu_seqlens(lengths).to(DEVICE)
-    inputs = _inputs(int(cu_seqlens[-1]), num_heads, k_dim, v_dim, strong)
-    gate = _gate(form, num_heads, k_dim, strong)
-    _, state = _state_pool(num_heads, v_dim, k_dim)
-    slot_ids = torch.randperm(NUM_SLOTS)[:len(lengths)].to(DEVICE)
-    has_initial_state = (torch.rand(len(lengths)) < 0.6).to(DEVICE)
-    expected_state = state.double()
-    launch, out = prepare_kda_prefill(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
-                                      has_initial_state=has_initial_state, scale=0.37,
-                                      checkpoint_interval=interval, chunk_size=chunk_size)
-    launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
-    launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both")))
-    expected = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=cu_seqlens, state=expected_state,
-                                   slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
-                                   checkpoint_interval=interval)
-    torch.testing.assert_close(out.output.double(), expected.output, **KDA_OUT_TOL)
-    torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
-    torch.testing.assert_close(out.checkpoint_states.double(), expected.checkpoint_states, **KDA_STATE_TOL)
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
+        launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both")))
+        return out
+
+    _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
