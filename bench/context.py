@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,3 +63,15 @@ def fla_unavailable(ctx: BenchContext) -> str:
         return (f"fla.ops.kda cannot be imported ({type(exc).__name__}: {str(exc)[:100]}); install "
                 ".whl/fla_core-0.6.0-py3-none-any.whl as scripts/gpu_bench.sh does")
     return ""
+
+
+def require_interpreter(smoke: bool, module: str) -> None:
+    """A --smoke run executes Triton kernels on the CPU, which needs TRITON_INTERPRET=1 before Python starts."""
+    if smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
+                         f"starts: run `TRITON_INTERPRET=1 python -m {module} --smoke`")
+
+
+def results_dir(out: str | None) -> Path:
+    """Where a bench writes: --out, else $OUT (the device tool's folder), else bench/results."""
+    return Path(out or os.environ.get("OUT") or Path(__file__).parent / "results")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,8 @@ from bench.context import (
     BenchContext,
     load,
     make_context,
+    require_interpreter,
+    results_dir,
 )
 from bench.report import check, environment, poison_allocator
 from bench.timing import measure_ceilings, num_input_sets, sweep_timer
@@ -368,14 +369,12 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ops = [op.strip() for op in args.only.split(",") if op.strip()]
     if not ops or any(op not in OPS for op in ops):
         raise SystemExit(f"--only {args.only!r}: choose from {', '.join(OPS)}")
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
-                         "starts: run `TRITON_INTERPRET=1 python -m bench.tune_decode --smoke`")
+    require_interpreter(args.smoke, "bench.tune_decode")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)
     grid = SMOKE_GRID if args.smoke else GPU_GRID
-    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir = results_dir(args.out)
     env = environment(ctx.device, args.smoke)
     with torch.inference_mode():
         copy_tbps = measure_ceilings(ctx.timer, ctx.dtype, args.smoke).copy_tbps

@@ -22,7 +22,6 @@ import argparse
 import importlib
 import itertools
 import json
-import os
 import sys
 import time
 import traceback
@@ -38,6 +37,8 @@ from bench.context import (
     BenchContext,
     load,
     make_context,
+    require_interpreter,
+    results_dir,
 )
 from bench.report import check, environment, poison_allocator
 
@@ -354,9 +355,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(argv: list[str] | None = None) -> list[ShapeResult]:
     args = parse_args(argv)
     start = time.monotonic()
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
-                         "starts: run `TRITON_INTERPRET=1 python -m bench.tune_moe --smoke`")
+    require_interpreter(args.smoke, "bench.tune_moe")
     ctx = make_context(args.smoke, args.seed)
     full = {"experts": EXPERTS, "top_k": TOP_K, "latent": LATENT, "width": WIDTH, "shapes": SHAPES}
     dims = SMOKE if args.smoke else full
@@ -365,7 +364,7 @@ def run(argv: list[str] | None = None) -> list[ShapeResult]:
     if unknown:
         raise SystemExit(f"unknown shape(s) {', '.join(unknown)}; choose from: {', '.join(dims['shapes'])}")
     block_ms, tiles = (SMOKE_BLOCK_MS, SMOKE_TILES) if args.smoke else (BLOCK_MS, WIDE_TILES if args.wide else TILES)
-    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir = results_dir(args.out)
     env = environment(ctx.device, args.smoke)
     print(f"k3core MoE GEMM sweep: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
           f"commit {env['commit']}, budget {args.budget_s:.0f} s", flush=True)

@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -39,7 +37,7 @@ from bench.cases_kda import (
     prefill_inputs,
     prefill_reference,
 )
-from bench.context import fla_unavailable, make_context
+from bench.context import fla_unavailable, make_context, require_interpreter, results_dir
 from bench.report import environment, poison_allocator
 from bench.timing import sweep_timer
 from kernels.triton.kda_prefill import PrefillLaunch, kda_prefill, prepare_kda_prefill
@@ -250,15 +248,13 @@ def run(argv: list[str] | None = None) -> list[dict]:
     table_chunk = kernel_config("kda_intra").block_t
     chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
         (table_chunk, 16) if args.smoke else (table_chunk, 32))
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
-                         "starts: run `TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke`")
+    require_interpreter(args.smoke, "bench.tune_prefill")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)
     heads, dim = (SMOKE_HEADS, SMOKE_HEAD_DIM) if args.smoke else (HEADS, HEAD_DIM)
     shapes = SMOKE_PREFILL_SHAPES if args.smoke else SHAPES
-    out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir = results_dir(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment(ctx.device, args.smoke)
     stem = f"tune-prefill-{'smoke' if args.smoke else env.get('device_slug', 'gpu')}"
