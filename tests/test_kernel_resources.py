@@ -23,9 +23,15 @@ def test_reports_registers_and_stack_of_the_state_pass():
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("kda_state ")]
     assert len(rows) == 3                            # the three kda_state rows of DEFAULT_CONFIGS
+    usage = {}
     for row in rows:
         registers, stack, shared = map(int, row[-3:])
-        assert 0 < registers <= 255 and stack >= 0 and shared > 0
+        assert 0 < registers <= 255 and shared > 0
+        usage[" ".join(row[1:-3])] = stack
+    # the facts bench/README.md cites (Triton 3.6.0's ptxas, pinned): the state pass spills nothing on 8 warps at
+    # block_v 16 and spills at block_v 64 on 4 warps
+    assert usage["chunk=64 num_warps=8 num_stages=2 block_v=16"] == 0, usage
+    assert usage["chunk=64 num_warps=4 num_stages=2 block_v=64"] > 0, usage
 
 
 def test_refuses_to_run_under_the_interpreter():
