@@ -168,18 +168,14 @@ def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads:
 
 def fla_prefill(x: PrefillInputs):
     """fla's chunk_kda on the same inputs, as a zero-argument call (the anchor of target 1)."""
-    return _fla_prefill(x.q, x.k, x.v, x.f, x.beta_logits, x.gate, x.bounds, x.scale, x.q.device)
-
-
-def _fla_prefill(q, k, v, f, beta_logits, gate: KdaGateParams, bounds: list[int], scale: float, device):
     from fla.ops.kda import chunk_kda  # noqa: PLC0415  (vendor package: imported only when it is the anchor)
-    options = dict(scale=scale, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    options = dict(scale=x.scale, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                   lower_bound=LOWER_BOUND, A_log=gate.A_log, dt_bias=gate.dt_bias, state_v_first=True)
-    if len(bounds) > 2:       # one sequence runs in fla's dense [1, T] form, which is its faster path
-        cu64 = torch.tensor(bounds, dtype=torch.int64)
-        options.update(cu_seqlens=cu64.to(device), cu_seqlens_cpu=cu64)
-    return lambda: chunk_kda(q[None], k[None], v[None], f[None], beta_logits[None], **options)
+                   lower_bound=LOWER_BOUND, A_log=x.gate.A_log, dt_bias=x.gate.dt_bias, state_v_first=True)
+    if len(x.bounds) > 2:       # one sequence runs in fla's dense [1, T] form, which is its faster path
+        cu64 = torch.tensor(x.bounds, dtype=torch.int64)
+        options.update(cu_seqlens=cu64.to(x.q.device), cu_seqlens_cpu=cu64)
+    return lambda: chunk_kda(x.q[None], x.k[None], x.v[None], x.f[None], x.beta_logits[None], **options)
 
 
 def kda_decode_rows(ctx: BenchContext) -> list[Row]:
