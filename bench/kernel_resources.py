@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
-# kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass
-KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_output")
+# kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass;
+# kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
+KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_state_prefetch", "kda_output")
+STATE_KERNELS = ("kda_state", "kda_state_split", "kda_state_prefetch")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "chunk_start_ptr": "i32", "chunk_len_ptr": "i32"}
         scalars = {"scale": "fp32"}
         consts = dict(KDA_SHAPE, PRECISION="ieee")
-    elif kernel in ("kda_state", "kda_state_split"):
+    elif kernel in STATE_KERNELS:
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
         pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
@@ -81,7 +83,7 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                         ckpt_ptr="fp32", seq_ckpt_ptr="i32", hs_ptr="bf16", un_ptr="bf16")
         scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
         consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee",
-                      STORE_H=kernel == "kda_state_split")
+                      STORE_H=kernel == "kda_state_split", PREFETCH=kernel == "kda_state_prefetch")
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     names = fn.arg_names
@@ -103,7 +105,7 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
     consts["BT"] = chunk
-    if kernel in ("kda_state", "kda_state_split", "kda_output"):
+    if kernel in (*STATE_KERNELS, "kda_output"):
         consts["BV"] = block_v or 16
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -125,7 +127,8 @@ DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_i
                    ("kda_prep", 4, 1, None), ("kda_prep", 8, 1, None),
                    ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
-                   ("kda_state_split", 4, 2, 16), ("kda_state_split", 4, 2, 64), ("kda_output", 4, 1, 64))
+                   ("kda_state_split", 4, 2, 16), ("kda_state_split", 4, 2, 64), ("kda_state_prefetch", 4, 2, 16),
+                   ("kda_state_prefetch", 4, 1, 64), ("kda_output", 4, 1, 64))
 
 
 def main(argv: list[str] | None = None) -> int:

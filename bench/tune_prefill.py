@@ -45,18 +45,22 @@ from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
 SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
-# pipeline depth made no difference to the one-kernel intra pass (tune-prefill-intra-nvidia-h200.md); split = the
-# two-kernel form (kernels/triton/kda_chunk_split.py), which spills far less (bench.kernel_resources)
-INTRA_GRID = tuple((warps, 1, split) for split in (False, True) for warps in (4, 8, 16))
-# 3 and 4 stages never beat 2 in the first H200 sweep (tune-prefill-nvidia-h200.md, 64 x 512)
-# (block_v, warps, stages, split), the untimed split forms first (a budget cut loses the tail). Left out after the
-# 2026-11-29 sweeps (tune-prefill-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and (32, 8, 1) gave WRONG outputs at
-# every shape, and 2 warps with 2 stages ran 2-40x slower than the best.
-STATE_GRID = (tuple((block_v, warps, 2, True) for block_v in (16, 32, 64) for warps in (4, 8))
-              + ((16, 4, 2, False), (16, 8, 2, False), (32, 4, 2, False), (64, 4, 1, False), (64, 4, 2, False),
-                 (64, 8, 2, False), (32, 2, 1, False), (16, 2, 1, False)))
+# (warps, stages, split) of the intra pass. 2026-11-29 (tune-prefill-nvidia-h200.md): at 32-token chunks 4 warps in
+# one kernel won everywhere (0.79 ms against 1.35 on 8 and 0.96 split); 16 warps and the split form on 8 or 16 warps
+# never won at either chunk size, so the grid now looks around the winner instead.
+INTRA_GRID = ((4, 1, False), (2, 1, False), (4, 2, False), (8, 1, False), (4, 1, True))
+# (block_v, warps, stages, split, prefetch) of the state pass, the untimed prefetch forms first (a budget cut loses
+# the tail). Left out after the 2026-11-29 sweeps (tune-prefill-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and
+# (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best, and the split
+# form never won (it was aimed at B=1, where it lost 1.10 against 0.94 ms).
+STATE_GRID = (tuple((block_v, warps, stages, False, True) for block_v, warps, stages in
+                    ((16, 4, 2), (16, 8, 2), (16, 8, 1), (32, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 1)))
+              + ((16, 4, 2, False, False), (16, 8, 2, False, False), (32, 4, 2, False, False),
+                 (64, 4, 1, False, False), (64, 4, 2, False, False), (32, 2, 1, False, False),
+                 (32, 4, 2, True, False)))
 PASSES = ("intra", "state")
-SMOKE_INTRA_GRID, SMOKE_STATE_GRID = ((1, 1, False), (2, 1, True)), ((8, 1, 1, False), (16, 1, 1, True))
+SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, True))
+SMOKE_STATE_GRID = ((8, 1, 1, False, False), (16, 1, 1, True, False), (8, 1, 1, False, True))
 
 
 @dataclasses.dataclass
@@ -75,13 +79,13 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
     return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split) for w, s, split in intra_grid],
-            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split)
-             for b, w, s, split in state_grid])
+            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split, prefetch=prefetch)
+             for b, w, s, split, prefetch in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
     keys = ("num_warps", "num_stages", "split", "solve_precision") if kind == "intra" else (
-        "block_v", "num_warps", "num_stages", "split")
+        "block_v", "num_warps", "num_stages", "split", "prefetch")
     return {key: getattr(config, key) for key in keys}
 
 
@@ -238,7 +242,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S,
                         help="sweep seconds, shared evenly by the shapes (their set-up is not counted)")
     parser.add_argument("--chunk-sizes", default=None, help="tokens per chunk to compare, e.g. 64,32 (default: "
-                        "the table's, then 32)")
+                        "the table's, then 64, or 32 when the table's is 64)")
     parser.add_argument("--passes", default=",".join(PASSES), help="which passes to sweep (both are always timed "
                         "with the table configs)")
     args = parser.parse_args(argv)
@@ -247,7 +251,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--passes {args.passes!r}: choose from {', '.join(PASSES)}")
     table_chunk = kernel_config("kda_intra").block_t
     chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
-        (table_chunk, 16) if args.smoke else (table_chunk, 32))
+        (table_chunk, 16) if args.smoke else (table_chunk, 64 if table_chunk != 64 else 32))
     require_interpreter(args.smoke, "bench.tune_prefill")
     started = time.perf_counter()
     ctx = make_context(args.smoke)

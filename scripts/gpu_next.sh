@@ -6,7 +6,8 @@
 #                                                        #   (kda_prefill, short_conv_prefill, mla_prefill; bf16 and
 #                                                        #   fp32) and the whole-model check (the model now passes
 #                                                        #   cu_seqlens on the host)
-# carry [".whl"] for `tune` (the fla-core anchor). Reports land in $OUT; keep them to eight files or fewer.
+# Extra arguments after `tune` go to bench.tune_prefill (e.g. --chunk-sizes 32 --budget-s 150).
+# carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape). Reports land in $OUT; keep them to eight files or fewer.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -17,7 +18,7 @@ case "${1:-}" in
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl \
             && export PYTHONPATH=/tmp/site:$PYTHONPATH
     fi
-    timeout "${LIMIT:-560}" python3 -m bench.tune_prefill --out "$OUT" > "$OUT/tune.log" 2>&1
+    timeout "${LIMIT:-560}" python3 -m bench.tune_prefill --out "$OUT" "${@:2}" > "$OUT/tune.log" 2>&1
     echo "tune_prefill exit $? (124 = hit the limit; finished shapes are in \$OUT)"
     grep -v "^ *File\|^Traceback\|^    \|skipped" "$OUT/tune.log" | tail -n 40 | cut -c1-220
     ;;

@@ -9,6 +9,7 @@ import torch
 
 from bench import tune_prefill
 from kernels.triton.kda_prefill import PrefillLaunch
+from kernels.triton.tuning import kernel_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU path; the GPU run is "
                                                                    "`python -m bench.tune_prefill`")
@@ -29,9 +30,10 @@ def _run(tmp_path, *extra: str) -> dict:
 
 def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
     result = _run(tmp_path)
-    # one row per shape and chunk size: the table's chunk size (64) and 16 in smoke runs
+    # one row per shape and chunk size: the table's chunk size and 16 in smoke runs
+    table_chunk = kernel_config("kda_intra").block_t
     assert [(r["shape"], r["chunk"]) for r in result["summary"]] == [
-        (label, chunk) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES for chunk in (64, 16)]
+        (label, chunk) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES for chunk in (table_chunk, 16)]
     for row in result["summary"]:
         assert row["whole_ms"] > 0 and row["whole_host_ms"] > 0
         assert row["intra_default_ms"] > 0 and row["state_default_ms"] > 0

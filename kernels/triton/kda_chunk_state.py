@@ -19,33 +19,59 @@ from kernels.triton.kda_chunk_intra import _chunk_rows
 
 
 @triton.jit
-def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
-                w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr,
-                ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr, STORE_H: tl.constexpr):
-    """One chunk of one sequence: writes O for this value block (or, with STORE_H, the state entering the chunk
-    and U for `kda_chunk_output_kernel`), returns the state after the chunk."""
+def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
+                chunk_start_ptr, chunk_len_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, STORE_H: tl.constexpr, AHEAD: tl.constexpr):
+    """Every input of one chunk's step: (start, length, W, Qg, Kd, U0, Aqk, exp(G_last)). AHEAD (the prefetching
+    loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0)."""
+    if AHEAD:
+        valid = i_chunk < end_chunk
+        start = tl.load(chunk_start_ptr + i_chunk, mask=valid, other=0).to(tl.int64)
+        length = tl.load(chunk_len_ptr + i_chunk, mask=valid, other=0)
+    else:
+        valid = True
+        start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+        length = tl.load(chunk_len_ptr + i_chunk)
     k_ok = cols_k < K
-    v_ok = cols_v < V
-    mask_h = k_ok[:, None] & v_ok[None, :]
-    DOT_DTYPE = w_ptr.dtype.element_ty
-    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
-    length = tl.load(chunk_len_ptr + i_chunk)
     row_ok = rows < length
     head_row = (start + rows) * H + i_h                                     # [BT]
     mask_k = row_ok[:, None] & k_ok[None, :]
-    mask_v = row_ok[:, None] & v_ok[None, :]
+    mask_v = row_ok[:, None] & (cols_v < V)[None, :]
     offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
-    offs_v = head_row[:, None] * V + cols_v[None, :]                        # [BT, BV]
     w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
-    if not STORE_H:                                                         # (loads in the fused kernel's order)
+    if STORE_H:                                                             # Qg and Aqk: the output kernel's
+        qg = tl.zeros_like(w)
+    else:
         qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
     kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
-    u0 = tl.load(u_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)    # [BT, BV]
-    if not STORE_H:
+    u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    if STORE_H:
+        aqk = tl.zeros([BT, BT], dtype=w.dtype)
+    else:
         aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
-    decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)  # [BK]
+    if AHEAD:
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0)  # [BK]
+    else:
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)
+    return start, length, w, qg, kd, u0, aqk, decay
+
+
+@triton.jit
+def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+                start, length, w, qg, kd, u0, aqk, decay,
+                o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
+                PRECISION: tl.constexpr, STORE_H: tl.constexpr):
+    """One chunk of one sequence from its loaded inputs (`_chunk_load`): writes O for this value block (or, with
+    STORE_H, the state entering the chunk and U for `kda_chunk_output_kernel`), returns the state after it."""
+    k_ok = cols_k < K
+    v_ok = cols_v < V
+    mask_h = k_ok[:, None] & v_ok[None, :]
+    DOT_DTYPE = w.dtype
+    row_ok = rows < length
+    head_row = (start + rows) * H + i_h                                     # [BT]
+    mask_v = row_ok[:, None] & v_ok[None, :]
+    offs_v = head_row[:, None] * V + cols_v[None, :]                        # [BT, BV]
 
     h_in = h.to(DOT_DTYPE)
     u = u0 - tl.dot(w, h_in, input_precision=PRECISION)                   # [BT, BV]
@@ -82,7 +108,10 @@ def kda_chunk_state_kernel(
         hs_ptr, un_ptr,                                                  # STORE_H: [chunks, H, K, V], [T, H, V]
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, STORE_H: tl.constexpr):
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, STORE_H: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH: each step first issues the loads of the next chunk (into registers, carried by the loop), so
+    their latency overlaps this chunk's products; the chunk table lookup makes every load address depend on a
+    load, which the software pipeliner (num_stages) cannot run ahead on its own."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -102,24 +131,63 @@ def kda_chunk_state_kernel(
     h_offs = i_h * V * K + cols_v[None, :] * K + cols_k[:, None]                # [BK, BV]
     h = tl.load(state_ptr + slot * state_stride + h_offs, mask=mask_h & has_init, other=0.0)
 
+    if PREFETCH:
+        start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
+            first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, True)
+    else:                       # placeholders of the loop-carried inputs: every iteration loads its own chunk
+        DOT_DTYPE = w_ptr.dtype.element_ty
+        start = first_chunk.to(tl.int64) * 0
+        length = first_chunk * 0
+        w = tl.zeros([BT, BK], dtype=DOT_DTYPE)
+        qg = tl.zeros([BT, BK], dtype=DOT_DTYPE)
+        kd = tl.zeros([BT, BK], dtype=DOT_DTYPE)
+        u0 = tl.zeros([BT, BV], dtype=tl.float32)
+        aqk = tl.zeros([BT, BT], dtype=DOT_DTYPE)
+        decay = tl.zeros([BK], dtype=tl.float32)
+    # The CPU interpreter cannot take a loaded scalar as a range() bound (numpy >= 2), so it loops with while;
+    # compiled code keeps the for loop, which the pipeliner can software-pipeline.
     if INTERPRETED:
-        # The CPU interpreter cannot take a loaded scalar as a range() bound (numpy >= 2), so it loops with while;
-        # compiled code keeps the for loop, which the pipeliner can software-pipeline.
         i_chunk = first_chunk
         while i_chunk < end_chunk:
-            h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
-                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
-                            H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
+            h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
+                h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H, PREFETCH)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
-            h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
-                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                            chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
-                            H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
+            h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
+                h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H, PREFETCH)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
+
+
+@triton.jit
+def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
+                PRECISION: tl.constexpr, STORE_H: tl.constexpr, PREFETCH: tl.constexpr):
+    """One loop iteration: step chunk i_chunk with its inputs (loaded one iteration earlier with PREFETCH, else
+    here) and return the new state with the inputs of chunk i_chunk + 1."""
+    if PREFETCH:
+        nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
+                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, True)
+    else:
+        start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
+            i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, False)
+    h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+                    start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                    hs_ptr, un_ptr, H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
+    if PREFETCH:
+        start, length, w, qg, kd, u0, aqk, decay = nxt
+    return h, start, length, w, qg, kd, u0, aqk, decay
 
 
 @triton.jit

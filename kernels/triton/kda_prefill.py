@@ -258,8 +258,8 @@ class PrefillLaunch:
             max(self.checkpoint_interval, 1), self.scale, hs, un,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
-            PRECISION=self._precision(config), STORE_H=config.split, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            PRECISION=self._precision(config), STORE_H=config.split, PREFETCH=config.prefetch,
+            num_warps=config.num_warps, num_stages=config.num_stages)
         if config.split and self.num_chunks > 0:
             block_out = min(64, pow2_at_least(self.v_dim))
             kda_chunk_output_kernel[(self.num_chunks, self.num_heads, triton.cdiv(self.v_dim, block_out))](

@@ -30,19 +30,24 @@ class KernelConfig:
     # kda_intra: the pass as two lighter kernels (kernels/triton/kda_chunk_split.py) instead of one that spills;
     # kda_state*: outputs from a parallel kernel after the sequential loop (kda_chunk_output_kernel)
     split: bool = False
+    # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
+    prefetch: bool = False
 
 
 _NVIDIA: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=4),
     # H200, T=32K bf16: tf32 solve 1.9 ms vs tf32x3 8.0 ms with the same error vs float64 (3.7e-3, set by the
-    # bf16 inputs); float32 inputs always get "ieee" (see kda_prefill).
-    "kda_intra": KernelConfig(block_t=64, num_warps=8, solve_precision="tf32"),
-    # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (measured on H200 at T=32K).
+    # bf16 inputs); float32 inputs always get "ieee" (see kda_prefill). 32-token chunks on 4 warps: 0.79-0.80 ms
+    # for the pass at 32K tokens against 1.59 (split) and 1.84 (one kernel, 8 warps) with 64-token chunks, which
+    # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-nvidia-h200.md,
+    # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
+    "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32"),
+    # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (B=1 32K: 1.64 ms at 32-token chunks).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
-    # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): 64 x 512 tokens
-    # took 0.31 ms against 0.74 ms with kda_state, 8 x 4K 0.36 against 0.71 (tune-prefill-nvidia-h200.md). In that sweep
-    # (Triton 3.6) three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8):
-    # the float64 check rejected them. Any new entry here must come out of that checked sweep.
+    # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): at 32-token chunks
+    # 8 x 4K took 0.43 ms and 64 x 512 0.40 (0.71 with kda_state). In the sweeps (Triton 3.6) three configs with
+    # num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8): the float64 check rejected them.
+    # Any new entry here must come out of that checked sweep.
     "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
     "conv_decode": KernelConfig(block_c=256, num_warps=4),
