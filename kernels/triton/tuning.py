@@ -39,7 +39,7 @@ _NVIDIA: dict[str, KernelConfig] = {
     # H200, T=32K bf16: tf32 solve 1.9 ms vs tf32x3 8.0 ms with the same error vs float64 (3.7e-3, set by the
     # bf16 inputs); float32 inputs always get "ieee" (see kda_prefill). 32-token chunks on 4 warps: 0.79-0.80 ms
     # for the pass at 32K tokens against 1.59 (split) and 1.84 (one kernel, 8 warps) with 64-token chunks, which
-    # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-nvidia-h200.md,
+    # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-chunks-nvidia-h200.md,
     # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
     "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32"),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (B=1 32K: 1.64 ms at 32-token chunks).
