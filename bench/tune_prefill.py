@@ -45,9 +45,9 @@ from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
 SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
-# (warps, stages, split) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks 4 warps in
-# one kernel won everywhere (0.79 ms against 1.35 on 8 and 0.96 split); 16 warps and the split form on 8 or 16 warps
-# never won at either chunk size, so the grid now looks around the winner instead.
+# (warps, stages, split) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks
+# 4 warps in one kernel won everywhere (0.79 ms against 1.35 on 8 and 0.96 split); 16 warps and the split form on
+# 8 or 16 warps never won at either chunk size, so the grid now looks around the winner instead.
 INTRA_GRID = ((4, 1, False), (2, 1, False), (4, 2, False), (8, 1, False), (4, 1, True))
 # (block_v, warps, stages, split, prefetch) of the state pass, the untimed prefetch forms first (a budget cut loses
 # the tail). Left out after the 2026-11-29 sweeps (tune-prefill-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and
