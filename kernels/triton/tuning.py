@@ -22,6 +22,8 @@ class KernelConfig:
     block_t: int = 64          # tokens per program (conv prefill), per chunk (KDA intra), elements / 64 (gate)
     block_c: int = 64          # channels per program (conv), or elements per program (gate)
     block_v: int = 32          # value columns per program for the state kernels (state tile [K, block_v])
+    block_k: int = 0           # KDA intra: channels per register tile (kda_chunk_tiled); 0 = all at once
+    max_registers: int = 0     # KDA intra, NVIDIA: ptxas register cap per thread (maxnreg; 0 = its own choice)
     sub_chunk: int = 16        # KDA intra-chunk sub-block: bounds exp of in-block decay (see kda_chunk_intra)
     num_warps: int = 4
     num_stages: int = 1
@@ -42,13 +44,14 @@ _NVIDIA: dict[str, KernelConfig] = {
     # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-chunks-nvidia-h200.md,
     # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
     "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32"),
-    # 12 heads x 128/16 value blocks = 96 sequential programs per sequence (B=1 32K: 1.64 ms at 32-token chunks).
-    "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2),
+    # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
+    # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
+    "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
     # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): at 32-token chunks
-    # 8 x 4K took 0.43 ms and 64 x 512 0.40 (0.71 with kda_state). In the sweeps (Triton 3.6) three configs with
-    # num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8): the float64 check rejected them.
-    # Any new entry here must come out of that checked sweep.
-    "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2),
+    # 8 x 4K took 0.39 ms and 64 x 512 0.34 with prefetch (0.45 / 0.41 without, 0.72 / 0.73 with kda_state's
+    # block_v 16). In the sweeps (Triton 3.6) three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32
+    # on 4 warps, 32 on 8): the float64 check rejected them. Any new entry here must come out of that checked sweep.
+    "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2, prefetch=True),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
     "conv_decode": KernelConfig(block_c=256, num_warps=4),
 }
