@@ -87,6 +87,12 @@ class PrefillInputs:
         return (self.q, self.k, self.v, self.f, self.beta_logits, self.gate, self.cu32, self.state, self.slots,
                 self.no_init, self.scale)
 
+    def host_args(self) -> tuple:
+        """The same with cu_seqlens and slot_ids on the host, as the engine passes them (it plans on the host) and
+        as fla gets them (`cu_seqlens_cpu`): no device-to-host read before the launches."""
+        return (self.q, self.k, self.v, self.f, self.beta_logits, self.gate, self.cu32.cpu(), self.state,
+                self.slots.cpu(), self.no_init, self.scale)
+
 
 def prefill_inputs(ctx: BenchContext, lengths: tuple[int, ...], heads: int, dim: int) -> PrefillInputs:
     num_tokens, num_seqs = sum(lengths), len(lengths)
@@ -142,11 +148,14 @@ def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads:
     element = x.q.element_size()
     row = Row("kda_prefill", label, "k3core triton kda_prefill", FLA_PREFILL,
               flops=prefill_flops(num_tokens, heads, dim, dim),
-              bytes=float(num_tokens * heads * (4 * dim + dim + 1) * element + num_seqs * heads * dim * dim * 4))
+              bytes=float(num_tokens * heads * (4 * dim + dim + 1) * element + num_seqs * heads * dim * dim * 4),
+              notes="cu_seqlens and slot ids on the host for both (fla: cu_seqlens_cpu)")
     kernel = load("kernels.triton.kda_prefill:kda_prefill")
 
+    host_args = x.host_args()
+
     def ours():
-        return kernel(*x.args())
+        return kernel(*host_args)
 
     poison_allocator(ctx.device, x.v.numel() * element)
     output = ours().output                                                        # [T, H, V]

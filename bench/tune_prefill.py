@@ -154,9 +154,7 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], d
 
     # the whole op as callers see it: cu_seqlens and slot_ids on the device (one sync to read them), and on the
     # host (no sync before planning: the engine knows both)
-    host_args = list(x.args())
-    host_args[6], host_args[8] = x.cu32.cpu(), x.slots.cpu()
-    for kind, args in (("whole op", x.args()), ("whole op, host metadata", tuple(host_args))):
+    for kind, args in (("whole op", x.args()), ("whole op, host metadata", x.host_args())):
         def whole(args=args):
             return kda_prefill(*args, chunk_size=chunk)
 
