@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from bench.context import make_context
+from bench.kernel_profile import markdown as kernel_profile_markdown
+from bench.kernel_profile import profile_kernels
 from bench.report import environment
 from bench.timing import measure_ceilings
 from conformance.model_check import BF16_FACTOR, BF16_FLOOR, TOLERANCE, relative_error
@@ -192,7 +194,9 @@ def _graph_replay_check(config, network, prompt: list[int], dtype, device, smoke
 
 # ---- 2. timings --------------------------------------------------------------------------------------------
 def bench_decode(ctx, network, ops: dict, config, num_seqs: int, context_len: int, generator, rows: list,
-                 floor_ms: float | None = None) -> None:
+                 floor_ms: float | None = None, profiles: dict | None = None) -> None:
+    """Eager and graph-replayed decode steps of `num_seqs` sequences; with `profiles`, the replayed step's kernels
+    are also ranked by time (bench.kernel_profile) under the row's label."""
     pool, sequences = make_pool(config, ctx.dtype, ctx.device, num_seqs, context_len)
     fill_random(pool, sequences, generator)
     work = decode_work(pool, sequences, context_len)
@@ -212,6 +216,8 @@ def bench_decode(ctx, network, ops: dict, config, num_seqs: int, context_len: in
                 graph.run(work)                                   # loads the static inputs once
                 replay = graph.runner.graphs[num_seqs].graph.replay
                 ms = ctx.timer.time(replay).ms
+                if profiles is not None:
+                    profiles[f"{label}, cuda graph"] = profile_kernels(replay, ctx.device, steps=20, step_ms=ms)
             row = {"what": label, "backend": backend, "mode": mode, "ms": ms, "tokens_per_s": num_seqs / ms * 1e3}
             if floor_ms is not None:
                 row["floor_ms"], row["percent_of_floor"] = floor_ms, 100 * floor_ms / ms
@@ -299,6 +305,8 @@ def markdown(result: dict) -> str:
                          f"{r.get('note', '')} |")
         lines += ["", "| measurement | cuda over torch |", "|---|---|"]
         lines += [f"| {s['what']} | {s['speedup']:.1f}x ({s['cuda_mode']}) |" for s in result["speedups"]]
+    for title, profile in result.get("profiles", {}).items():
+        lines += ["", *kernel_profile_markdown(profile, f"Where the time goes, {title}")]
     lines += ["", "Notes: " + " ".join(result["notes"])]
     return "\n".join(lines)
 
@@ -356,7 +364,9 @@ def run(argv: list[str] | None = None) -> dict:
         floor_ms = floor_bytes["total"] / (ceilings.copy_tbps * 1e12) * 1e3
         result["memory_floor"] = {**floor_bytes, "ms": floor_ms, "context": sizes["short_context"]}
         progress(f"BS=1 memory floor: {floor_bytes['total'] / 1e9:.2f} GB per token -> {floor_ms:.3f} ms")
-        bench_decode(ctx, network, ops, config, 1, sizes["short_context"], device_generator, rows, floor_ms)
+        result["profiles"] = {}
+        bench_decode(ctx, network, ops, config, 1, sizes["short_context"], device_generator, rows, floor_ms,
+                     profiles=result["profiles"])
         write_results(result, out_dir)
         bench_prefill(ctx, network, ops, config, sizes, rows)
         write_results(result, out_dir)
