@@ -149,7 +149,8 @@ def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads:
     row = Row("kda_prefill", label, "k3core triton kda_prefill", FLA_PREFILL,
               flops=prefill_flops(num_tokens, heads, dim, dim),
               bytes=float(num_tokens * heads * (4 * dim + dim + 1) * element + num_seqs * heads * dim * dim * 4),
-              notes="cu_seqlens and slot ids on the host for both (fla: cu_seqlens_cpu)")
+              notes="ours: cu_seqlens and slot ids on the host; fla: cu_seqlens_cpu on the varlen batches, its "
+                    "dense [1, T] form at B=1")
     kernel = load("kernels.triton.kda_prefill:kda_prefill")
 
     host_args = x.host_args()
