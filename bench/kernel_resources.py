@@ -23,9 +23,8 @@ from pathlib import Path
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
 # kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass;
 # kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
-# kda_intra_tiled = the intra pass over channel tiles (KernelConfig.block_k, here 32 and 64)
-KERNELS = ("kda_intra", "kda_intra_tiled", "kda_prep", "kda_solve", "kda_state", "kda_state_split",
-           "kda_state_prefetch", "kda_output")
+KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_state_prefetch",
+           "kda_output")
 STATE_KERNELS = ("kda_state", "kda_state_split", "kda_state_prefetch")
 
 
@@ -56,14 +55,6 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "decay_ptr": "fp32"}
         scalars = {"lower_bound": "fp32"}
         consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
-    elif kernel == "kda_intra_tiled":
-        from kernels.triton.kda_chunk_tiled import kda_chunk_intra_tiled_kernel as fn  # noqa: PLC0415
-        pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16",
-                    "a_log_ptr": "fp32", "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
-                    "w_ptr": "bf16", "u_ptr": "bf16", "qg_ptr": "bf16", "kd_ptr": "bf16", "aqk_ptr": "bf16",
-                    "decay_ptr": "fp32"}
-        scalars = {"lower_bound": "fp32"}
-        consts = dict(H=12, K=128, V=128, BT=64, BKT=64, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
     elif kernel == "kda_prep":
         from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel as fn  # noqa: PLC0415
         pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16", "a_log_ptr": "fp32",
@@ -117,8 +108,6 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     consts["BT"] = chunk
     if kernel in (*STATE_KERNELS, "kda_output"):
         consts["BV"] = block_v or 16
-    if kernel == "kda_intra_tiled":            # block_v stands for the channel tile here
-        consts["BKT"] = block_v or 64
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as directory:
@@ -130,14 +119,12 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     stack = re.search(r"STACK:(\d+)", usage)
     if not registers or not stack:
         raise RuntimeError(f"cuobjdump printed no resource line for {kernel}:\n{usage}")
-    tile = "block_k" if kernel == "kda_intra_tiled" else "block_v"
-    config = f"chunk={chunk} num_warps={num_warps} num_stages={num_stages}" + (f" {tile}={block_v}" if block_v
+    config = f"chunk={chunk} num_warps={num_warps} num_stages={num_stages}" + (f" block_v={block_v}" if block_v
                                                                                 else "")
     return Resources(kernel, config, int(registers.group(1)), int(stack.group(1)), int(compiled.metadata.shared))
 
 
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
-                   ("kda_intra_tiled", 4, 1, 32), ("kda_intra_tiled", 4, 1, 64), ("kda_intra_tiled", 8, 1, 64),
                    ("kda_prep", 4, 1, None), ("kda_prep", 8, 1, None),
                    ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),

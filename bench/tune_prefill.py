@@ -48,11 +48,8 @@ SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(leng
 # (warps, stages, split) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks
 # 4 warps in one kernel won everywhere (0.79 ms against 1.35 on 8 and 0.96 split); 16 warps and the split form on
 # 8 or 16 warps never won at either chunk size, so the grid now looks around the winner instead.
-# (warps, stages, split, block_k, max_registers): block_k > 0 is the pass over channel tiles (kda_chunk_tiled),
-# max_registers caps ptxas (both spill at 255 registers on 4 warps, so two programs share an SM: bench.kernel_resources)
-INTRA_GRID = ((4, 1, False, 32, 0), (4, 1, False, 64, 0), (8, 1, False, 32, 0), (8, 1, False, 64, 0),
-              (4, 1, False, 32, 128), (4, 1, False, 0, 128), (8, 1, False, 32, 128), (4, 1, False, 64, 168),
-              (4, 2, False, 0, 0), (4, 1, True, 0, 0))
+# Also tried at e0051a0 and dropped (bench/README.md): the pass over channel tiles, a ptxas register cap, 2 warps.
+INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (4, 1, True))
 # (block_v, warps, stages, split, prefetch) of the state pass, the untimed prefetch forms first (a budget cut loses
 # the tail). Left out after the 2026-11-29 sweeps (tune-prefill-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and
 # (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best, and the split
@@ -63,7 +60,7 @@ STATE_GRID = (tuple((block_v, warps, stages, False, True) for block_v, warps, st
                  (64, 4, 1, False, False), (64, 4, 2, False, False), (32, 2, 1, False, False),
                  (32, 4, 2, True, False)))
 PASSES = ("intra", "state")
-SMOKE_INTRA_GRID = ((1, 1, False, 0, 0), (2, 1, True, 0, 0), (1, 1, False, 16, 0))
+SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, True))
 SMOKE_STATE_GRID = ((8, 1, 1, False, False), (16, 1, 1, True, False), (8, 1, 1, False, True))
 
 
@@ -82,14 +79,13 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra, state = kernel_config("kda_intra"), kernel_config("kda_state")
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
-    return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split, block_k=block_k, max_registers=regs)
-             for w, s, split, block_k, regs in intra_grid],
+    return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split) for w, s, split in intra_grid],
             [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split, prefetch=prefetch)
              for b, w, s, split, prefetch in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
-    keys = ("num_warps", "num_stages", "split", "block_k", "max_registers") if kind == "intra" else (
+    keys = ("num_warps", "num_stages", "split", "solve_precision") if kind == "intra" else (
         "block_v", "num_warps", "num_stages", "split", "prefetch")
     return {key: getattr(config, key) for key in keys}
 

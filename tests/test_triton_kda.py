@@ -344,22 +344,19 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
 
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
                          [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
-@pytest.mark.parametrize("split_pass", ["intra", "state", "both", "prefetch", "state+prefetch", "tiled"])
+@pytest.mark.parametrize("split_pass", ["intra", "state", "both", "prefetch", "state+prefetch"])
 def test_split_passes_match_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong, split_pass):
     """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split), the state pass with its outputs
     from a parallel kernel (kda_chunk_output_kernel), or both, give the reference's outputs, states and
     checkpoints, on both gate forms and with empty sequences in the batch. The same with the state pass loading
-    each chunk's inputs one step ahead (KernelConfig(prefetch=True)), alone and with the split state pass, and
-    with the intra pass over channel tiles (KernelConfig(block_k=16), kda_chunk_tiled)."""
+    each chunk's inputs one step ahead (KernelConfig(prefetch=True)), alone and with the split state pass."""
     import dataclasses
 
     from kernels.triton.kda_prefill import prepare_kda_prefill
 
     def run(**kwargs):
         launch, out = prepare_kda_prefill(**kwargs)
-        # tiled: 16 channels per register tile, so K = V = 64 takes four tiles and K = 16 one
-        launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both"),
-                                         block_k=16 if split_pass == "tiled" else 0))
+        launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
         launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both", "state+prefetch"),
                                          prefetch="prefetch" in split_pass))
         return out

@@ -16,7 +16,6 @@ from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
-from kernels.triton.kda_chunk_tiled import kda_chunk_intra_tiled_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_output_kernel, kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
@@ -182,8 +181,8 @@ class PrefillLaunch:
         return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
 
     def intra(self, config: KernelConfig | None = None) -> None:
-        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace; in one
-        kernel, as two (config.split, kda_chunk_split) or over channel tiles (config.block_k, kda_chunk_tiled)."""
+        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace, in one
+        kernel or as two (config.split, kda_chunk_split)."""
         if self.num_chunks == 0:
             return
         config = config or kernel_config("kda_intra")
@@ -192,24 +191,13 @@ class PrefillLaunch:
         if config.split:
             self._intra_split(config, sub_chunk, dense)
             return
-        if config.block_k:
-            kda_chunk_intra_tiled_kernel[(self.num_chunks, self.num_heads)](
-                self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
-                self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
-                float(self.gate.lower_bound),
-                H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size,
-                BKT=min(pow2_at_least(config.block_k), pow2_at_least(max(self.k_dim, self.v_dim))), SUB=sub_chunk,
-                FORM=self.form, DENSE=dense, PRECISION=self._precision(config), num_warps=config.num_warps,
-                num_stages=config.num_stages, maxnreg=config.max_registers or None)
-            return
         kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
             float(self.gate.lower_bound),
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
-            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages,
-            maxnreg=config.max_registers or None)
+            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
 
     def _intra_split(self, config: KernelConfig, sub_chunk: int, dense: bool) -> None:
         """Pass 1 as two kernels (kda_chunk_split): prep writes Qg, Kd, exp(G_last) and scratch, solve the rest."""

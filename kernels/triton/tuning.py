@@ -22,8 +22,6 @@ class KernelConfig:
     block_t: int = 64          # tokens per program (conv prefill), per chunk (KDA intra), elements / 64 (gate)
     block_c: int = 64          # channels per program (conv), or elements per program (gate)
     block_v: int = 32          # value columns per program for the state kernels (state tile [K, block_v])
-    block_k: int = 0           # KDA intra: channels per register tile (kda_chunk_tiled); 0 = all at once
-    max_registers: int = 0     # KDA intra, NVIDIA: ptxas register cap per thread (maxnreg; 0 = its own choice)
     sub_chunk: int = 16        # KDA intra-chunk sub-block: bounds exp of in-block decay (see kda_chunk_intra)
     num_warps: int = 4
     num_stages: int = 1
