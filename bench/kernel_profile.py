@@ -58,7 +58,7 @@ def rank(kernels: list[tuple[str, float]], steps: int, step_ms: float | None, to
 
 
 def profile_kernels(fn: Callable[[], object], device: torch.device, steps: int = 10,
-                    step_ms: float | None = None) -> dict:
+                    step_ms: float | None = None, top: int = 12) -> dict:
     """Run fn() `steps` times under the profiler (after one warm-up call) and rank its CUDA kernels."""
     if device.type != "cuda":
         raise ValueError("profile_kernels traces CUDA kernels; this device is " + device.type)
@@ -74,7 +74,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, steps: int =
                if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     if not kernels:
         raise RuntimeError("the profiler traced no CUDA kernels (is CUPTI available?)")
-    return rank(kernels, steps, step_ms)
+    return rank(kernels, steps, step_ms, top)
 
 
 def markdown(profile: dict, title: str) -> list[str]:

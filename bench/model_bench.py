@@ -231,7 +231,7 @@ def bench_decode(ctx, network, ops: dict, config, num_seqs: int, context_len: in
         # H200, eager steps and prefill ran ~1.5x slower after it)
         graph_ms = next(r["ms"] for r in rows if r["what"] == label and r["mode"] == "graph")
         profiles[f"{label}, cuda graph"] = profile_kernels(graph.runner.graphs[num_seqs].graph.replay, ctx.device,
-                                                           steps=20, step_ms=graph_ms)
+                                                           steps=20, step_ms=graph_ms, top=40)
     graph.close()
 
 
