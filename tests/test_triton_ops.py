@@ -249,6 +249,29 @@ def test_moe_experts_empty_batch():
     assert out.shape == (0, 48)
 
 
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,offset", [
+    (1, 8, 32, 16, 0),            # k3-mini at BS=1
+    (1, 16, 112, 16, 0),          # K3 at TP8, BS=1
+    (37, 8, 32, 16, 0),           # 296 pairs: several chunks, experts with several blocks
+    (64, 4, 20, 64, 10),          # expert parallelism: ids outside [10, 30) belong to other ranks
+    (9, 3, 1000, 16, 0),          # 1024-wide expert tiles, chunks of 16
+    (5, 2, 3, 4, 0),              # more pairs per expert than a block
+])
+def test_group_pairs_one_program_matches_the_torch_form(num_tokens, top_k, num_experts, block_m, offset):
+    """The decode-sized Triton bookkeeping gives the torch form's blocks bit for bit, including idle blocks,
+    padding rows and the dump row of other ranks' pairs."""
+    from kernels.triton import moe_blocks
+    low, high = (offset - 8, offset + num_experts + 8) if offset else (0, num_experts)
+    expert_ids = torch.randint(low, high, (num_tokens, top_k), device=DEVICE)
+    expert_ids[0, 0] = offset + num_experts - 1                   # the last expert is never left out
+    small = moe_blocks.group_pairs_small(expert_ids, offset, num_experts, block_m)
+    reference = moe_blocks.group_pairs_torch(expert_ids, offset, num_experts, block_m)
+    for name, got, want in zip(reference._fields, small, reference):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert moe_blocks.group_pairs_by_expert(expert_ids, offset, num_experts, block_m).sorted_pairs.equal(
+        reference.sorted_pairs)
+
+
 def test_group_pairs_by_expert_blocks_hold_one_expert_each():
     num_experts, block_m = 5, 4
     expert_ids = torch.randint(-2, num_experts + 2, (13, 3), device=DEVICE)

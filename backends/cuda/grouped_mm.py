@@ -54,7 +54,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 expert_offset: int = 0) -> torch.Tensor:
     # triton only once the op runs: selecting providers must not import vendor packages
     from kernels.triton.activation import glu_activation  # noqa: PLC0415
-    from kernels.triton.moe_experts import combine_expert_rows, sort_pairs_by_expert  # noqa: PLC0415
+    from kernels.triton.moe_blocks import sort_pairs_by_expert  # noqa: PLC0415
+    from kernels.triton.moe_experts import combine_expert_rows  # noqa: PLC0415
     num_tokens, width = x.shape                                    # [T, D]
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)

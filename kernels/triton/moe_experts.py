@@ -1,8 +1,8 @@
 """Grouped expert GEMM over the expert width: act(x W13^T) W2^T per expert, combined in float32.
 
-1. Bookkeeping (torch, on the device, no host sync): the (token, choice) pairs are sorted by local expert and laid
-   out in blocks of BLOCK_M rows that each belong to one expert (an expert's last block is padded with a sentinel).
-   Pairs routed to experts of other ranks (expert parallelism) are dropped here.
+1. Bookkeeping (`kernels.triton.moe_blocks`, on the device, no host sync): the (token, choice) pairs are sorted by
+   local expert and laid out in blocks of BLOCK_M rows that each belong to one expert (an expert's last block is
+   padded with a sentinel). Pairs routed to experts of other ranks (expert parallelism) are dropped here.
 2. Gate/up kernel: per (row block, column block of I) both halves of W13 in one K loop, SiLU/SiTU fused in float32,
    the activation stored in x's dtype in sorted order.
 3. Down kernel: per (row block, column block of D) the W2 GEMM, written in float32 to the same sorted row (no atomics,
@@ -14,63 +14,15 @@ Token chunks bound the float32 row buffer ((T * k + E * BLOCK_M) * D * 4 bytes) 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton.activation import check_activation, glu_f32
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.tuning_ops import GemmConfig, moe_gemm_config
 
 PAIR_BUFFER_BYTES = 1 << 30
-
-
-class ExpertBlocks(NamedTuple):
-    sorted_pairs: torch.Tensor     # int64 [num_blocks * BLOCK_M]: pair index t * k + j, num_pairs in padding rows
-    block_experts: torch.Tensor    # int64 [num_blocks]: local expert of each block, num_experts for an idle block
-    row_of_pair: torch.Tensor      # int64 [num_pairs]: the sorted row of each local pair (meaningless for others)
-
-
-def sort_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int,
-                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, choice) pairs ordered by local expert, on the device: (sorted key [P], order [P], end [E]).
-    Pair order[i] has local expert sorted_key[i] (num_experts for another rank's expert: those sort last), and
-    expert e's pairs end at row end[e]. Shared by the Triton path and the torch._grouped_mm provider."""
-    local = expert_ids.reshape(-1).long() - expert_offset                       # [P]
-    mine = (local >= 0) & (local < num_experts)
-    key = torch.where(mine, local, torch.full_like(local, num_experts))
-    sorted_key, order = torch.sort(key, stable=True)                            # [P]
-    experts = torch.arange(num_experts, device=local.device)
-    return sorted_key, order, torch.searchsorted(sorted_key, experts, right=True)
-
-
-def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
-                          block_m: int) -> ExpertBlocks:
-    """Sort the (token, choice) pairs by local expert into BLOCK_M-row blocks of one expert each.
-
-    The number of blocks is the static bound cdiv(P, BLOCK_M) + E (each expert adds at most one partial block),
-    so nothing here waits for the device; blocks past the last expert's are idle."""
-    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
-    num_pairs = order.numel()
-    device = order.device
-    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))              # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded                                          # [E]
-    safe_key = sorted_key.clamp(max=num_experts - 1)
-    rank_in_expert = torch.arange(num_pairs, device=device) - (count_end - counts)[safe_key]
-    num_blocks = triton.cdiv(num_pairs, block_m) + num_experts
-    capacity = num_blocks * block_m
-    # pairs of other ranks go to one extra dump row that is cut off below
-    destination = torch.where(sorted_key < num_experts, padded_start[safe_key] + rank_in_expert,
-                              torch.full_like(sorted_key, capacity))           # [P] sorted row of order[i]
-    sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.long, device=device)
-    sorted_pairs.scatter_(0, destination, order)
-    row_of_pair = torch.empty_like(order).scatter_(0, order, destination)       # [P]
-    block_starts = torch.arange(num_blocks, device=device) * block_m
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True)    # [num_blocks], E when idle
-    return ExpertBlocks(sorted_pairs[:capacity], block_experts, row_of_pair)
 
 
 @triton.jit

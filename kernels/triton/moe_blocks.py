@@ -1,0 +1,153 @@
+"""The MoE bookkeeping: (token, choice) pairs grouped by local expert into BLOCK_M-row blocks of one expert each.
+
+Two ways to the same `ExpertBlocks`, bit for bit:
+- `_group_pairs_kernel`, one Triton program, for decode-sized batches (up to SMALL_BATCH_PAIRS pairs). At BS=1
+  the torch form below is about fifteen small kernels per MoE layer (a radix sort, two searchsorted, a scan,
+  two scatters, fills and index arithmetic); in a k3-mini decode step under a CUDA graph those cost more than the
+  MoE routing itself (bench/results/model-k3-mini-nvidia-h200.md lists them).
+- the torch form (sort, searchsorted, cumsum, scatter on the device, no host sync) for everything larger.
+Pairs routed to experts of other ranks (expert parallelism) are dropped in both.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# one program walks the pairs in chunks twice; past this the torch form's parallel sort wins
+SMALL_BATCH_PAIRS = 4096
+MAX_KERNEL_EXPERTS = 1024
+
+
+class ExpertBlocks(NamedTuple):
+    sorted_pairs: torch.Tensor     # int64 [num_blocks * BLOCK_M]: pair index t * k + j, num_pairs in padding rows
+    block_experts: torch.Tensor    # int64 [num_blocks]: local expert of each block, num_experts for an idle block
+    row_of_pair: torch.Tensor      # int64 [num_pairs]: the sorted row of each local pair, num_blocks * BLOCK_M
+    #                                for another rank's pair
+
+
+def sort_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int,
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs ordered by local expert, on the device: (sorted key [P], order [P], end [E]).
+    Pair order[i] has local expert sorted_key[i] (num_experts for another rank's expert: those sort last), and
+    expert e's pairs end at row end[e]. Shared by the Triton path and the torch._grouped_mm provider."""
+    local = expert_ids.reshape(-1).long() - expert_offset                       # [P]
+    mine = (local >= 0) & (local < num_experts)
+    key = torch.where(mine, local, torch.full_like(local, num_experts))
+    sorted_key, order = torch.sort(key, stable=True)                            # [P]
+    experts = torch.arange(num_experts, device=local.device)
+    return sorted_key, order, torch.searchsorted(sorted_key, experts, right=True)
+
+
+def num_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The static bound on blocks: cdiv(P, BLOCK_M) + E (each expert adds at most one partial block), so nothing
+    waits for the device; blocks past the last expert's are idle."""
+    return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                          block_m: int) -> ExpertBlocks:
+    """Sort the (token, choice) pairs by local expert (stable: by pair index within an expert) into BLOCK_M-row
+    blocks of one expert each; one Triton program for decode-sized batches, torch otherwise (same result)."""
+    if expert_ids.numel() <= SMALL_BATCH_PAIRS and num_experts <= MAX_KERNEL_EXPERTS:
+        return group_pairs_small(expert_ids, expert_offset, num_experts, block_m)
+    return group_pairs_torch(expert_ids, expert_offset, num_experts, block_m)
+
+
+def group_pairs_torch(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                      block_m: int) -> ExpertBlocks:
+    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
+    num_pairs = order.numel()
+    device = order.device
+    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))              # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded                                          # [E]
+    safe_key = sorted_key.clamp(max=num_experts - 1)
+    rank_in_expert = torch.arange(num_pairs, device=device) - (count_end - counts)[safe_key]
+    num_blocks = num_expert_blocks(num_pairs, num_experts, block_m)
+    capacity = num_blocks * block_m
+    # pairs of other ranks go to one extra dump row that is cut off below
+    destination = torch.where(sorted_key < num_experts, padded_start[safe_key] + rank_in_expert,
+                              torch.full_like(sorted_key, capacity))           # [P] sorted row of order[i]
+    sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.long, device=device)
+    sorted_pairs.scatter_(0, destination, order)
+    row_of_pair = torch.empty_like(order).scatter_(0, order, destination)       # [P]
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)    # [num_blocks], E when idle
+    return ExpertBlocks(sorted_pairs[:capacity], block_experts, row_of_pair)
+
+
+@triton.jit
+def _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts,
+                 CHUNK: tl.constexpr):
+    """Pairs [start, start + CHUNK): their indices, which are this rank's, and the one-hot [CHUNK, E] of their
+    local expert."""
+    pairs = start + tl.arange(0, CHUNK)
+    local = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int64) - expert_offset
+    mine = (pairs < num_pairs) & (local >= 0) & (local < num_experts)
+    onehot = ((local[:, None] == experts[None, :]) & mine[:, None]).to(tl.int32)
+    return pairs, mine, onehot
+
+
+@triton.jit
+def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr,
+                        num_pairs, expert_offset, num_experts, num_blocks,
+                        BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        FILL: tl.constexpr):
+    experts = tl.arange(0, E_BLOCK)
+    # 1. pairs per expert, then each expert's first row in the padded layout
+    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        _, _, onehot = _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts, CHUNK)
+        counts += tl.sum(onehot, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)                                           # [E]
+    padded_start = padded_end - padded
+    capacity = num_blocks * BLOCK_M
+
+    # 2. every row starts as padding; the barrier orders these stores before the pairs' stores below
+    for row in range(0, capacity, FILL):
+        rows = row + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + rows, tl.full([FILL], 0, tl.int64) + num_pairs, mask=rows < capacity)
+    tl.debug_barrier()
+
+    # 3. each pair's row: its expert's first row + how many earlier pairs went to the same expert
+    seen = tl.zeros([E_BLOCK], dtype=tl.int32)                                  # pairs placed per expert so far
+    for start in range(0, num_pairs, CHUNK):
+        pairs, mine, onehot = _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts,
+                                           CHUNK)
+        before = tl.cumsum(onehot, 0) - onehot + seen[None, :]                  # [CHUNK, E] exclusive
+        rank = tl.sum(onehot * before, 1)                                       # [CHUNK]
+        first = tl.sum(onehot * padded_start[None, :], 1)
+        destination = tl.where(mine, first + rank, capacity).to(tl.int64)
+        tl.store(row_of_pair_ptr + pairs, destination, mask=pairs < num_pairs)
+        tl.store(sorted_pairs_ptr + destination, pairs.to(tl.int64), mask=mine)
+        seen += tl.sum(onehot, 0)
+
+    # 4. each block's expert: how many experts' padded rows end at or before the block's first row (searchsorted)
+    real = experts < num_experts
+    for block in range(0, num_blocks, FILL):
+        blocks = block + tl.arange(0, FILL)
+        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & real[None, :]
+        tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int64), 1), mask=blocks < num_blocks)
+
+
+def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                      block_m: int) -> ExpertBlocks:
+    """`group_pairs_torch`'s result from one Triton program (any size works; meant for decode batches)."""
+    flat = expert_ids.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    num_blocks = num_expert_blocks(num_pairs, num_experts, block_m)
+    device = flat.device
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.long, device=device)
+    row_of_pair = torch.empty(num_pairs, dtype=torch.long, device=device)
+    e_block = triton.next_power_of_2(max(num_experts, 16))
+    chunk = max(16, min(64, 8192 // e_block))                                   # [chunk, E] tiles of <= 8K
+    _group_pairs_kernel[(1,)](flat, sorted_pairs, block_experts, row_of_pair, num_pairs, expert_offset,
+                              num_experts, num_blocks, BLOCK_M=block_m, E_BLOCK=e_block, CHUNK=chunk,
+                              FILL=max(16, min(256, 8192 // e_block)), num_warps=4)
+    return ExpertBlocks(sorted_pairs, block_experts, row_of_pair)
