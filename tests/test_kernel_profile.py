@@ -27,7 +27,11 @@ def test_rank_sums_per_step_groups_and_orders_by_time():
     assert "46%" in text and "`nvjet_tst_128x64_bf16`" in text
 
 
-@pytest.mark.parametrize("name,group", [("mla_decode_split_kernel", "mla"), ("moe_experts_kernel", "moe"),
+MOE = "moe (Triton experts, bookkeeping, combine)"
+
+
+@pytest.mark.parametrize("name,group", [("mla_decode_split_kernel", "mla"), ("moe_experts_kernel", MOE),
+                                        ("_gate_up_kernel", MOE), ("_group_pairs_kernel", MOE),
                                         ("_short_conv_decode", "kda + short conv"), ("rms_norm_kernel", "norm"),
                                         ("sm90_xmma_gemm_bf16", "gemm (cuBLAS/CUTLASS)"), ("mystery", "other")])
 def test_group_of(name, group):

@@ -38,6 +38,11 @@ GATE_TOL = dict(atol=1e-5, rtol=1e-5)
 KDA_OUT_TOL = dict(atol=2e-5, rtol=2e-5)
 # KDA states / checkpoints: entries up to ~5 (random initial state plus rank-1 updates), same error sources.
 KDA_STATE_TOL = dict(atol=5e-5, rtol=2e-5)
+# The strong softplus gate (per-token decays of hundreds) over 64-token chunks is ill-conditioned enough that float32
+# itself misses the tolerances above: over 300 random draws of the [65]-token case, PyTorch's own reference run in
+# float32 was off the float64 one by up to 1.5e-4 in the checkpoint states and 2.6e-5 in the outputs, and the
+# kernel by up to 1.1e-4 and 1.5e-5 (it failed the tolerances above on about 2% of draws, as the reference would).
+KDA_STRONG_SOFTPLUS_TOL = (dict(atol=5e-5, rtol=2e-5), dict(atol=2e-4, rtol=2e-5))     # (outputs, states)
 # short conv: a K_conv-term float32 dot and a sigmoid per output.
 CONV_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -133,13 +138,15 @@ def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, stron
                                    slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
                                    checkpoint_interval=interval)
 
+    out_tol, state_tol = (KDA_STRONG_SOFTPLUS_TOL if strong and form == "softplus" and chunk_size >= 64
+                          else (KDA_OUT_TOL, KDA_STATE_TOL))
     assert out.output.dtype == inputs["v"].dtype
-    torch.testing.assert_close(out.output.double(), expected.output, **KDA_OUT_TOL)
-    torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
+    torch.testing.assert_close(out.output.double(), expected.output, **out_tol)
+    torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **state_tol)
     assert torch.equal(out.checkpoint_seq_ids.cpu(), expected.checkpoint_seq_ids.cpu())
     assert torch.equal(out.checkpoint_lengths.cpu(), expected.checkpoint_lengths.cpu())
     assert out.checkpoint_states.dtype == torch.float32
-    torch.testing.assert_close(out.checkpoint_states.double(), expected.checkpoint_states, **KDA_STATE_TOL)
+    torch.testing.assert_close(out.checkpoint_states.double(), expected.checkpoint_states, **state_tol)
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[slot_ids.cpu()] = False
     assert torch.equal(arena[untouched], arena_before[untouched])
