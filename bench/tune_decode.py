@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +35,7 @@ from bench.context import (
 )
 from bench.report import check, environment, poison_allocator
 from bench.timing import measure_ceilings, num_input_sets, sweep_timer
+from bench.tune_decode_report import config_source, describe, label, ranked, summary, write
 from k3core.ops import KdaGateParams
 from kernels.triton.tuning_ops import (
     KDA_DECODE_BATCH_CLASSES,
@@ -146,10 +145,6 @@ class Sweep:
         return trial
 
 
-def label(config: dict) -> str:
-    return " ".join(f"{key}={value}" for key, value in config.items())
-
-
 def _out_of_time(sweep: Sweep, deadline: float, op: str, shape: str, klass: str) -> bool:
     """Past the deadline a shape's inputs are not even built: one skipped trial says so."""
     if time.perf_counter() <= deadline:
@@ -216,11 +211,11 @@ def _sweep_mla_shape(sweep: Sweep, grid: Grid, deadline: float, batch: int, seq_
              for variant, block_n, warps, stages in itertools.product(grid.mla_tiles, grid.mla_block_n,
                                                                       grid.mla_warps, grid.mla_stages)
              if variant == "gather" or page % block_n == 0]
-    best_tiles = [MlaDecodeConfig(**t.config) for t in _ranked(tiles)[:ROUND2_KEEP]]
+    best_tiles = [MlaDecodeConfig(**t.config) for t in ranked(tiles)[:ROUND2_KEEP]]
     splits = [attempt(config._replace(programs_per_unit=programs), "splits")
               for config in best_tiles for programs in grid.mla_programs_per_unit
               if programs != ROUND1_PROGRAMS_PER_UNIT]
-    best = _ranked(tiles + splits)[:1]
+    best = ranked(tiles + splits)[:1]
     if best:
         winner = MlaDecodeConfig(**best[0].config)
         for merge_splits, merge_block_v in grid.mla_merges:
@@ -289,72 +284,6 @@ def _sweep_kda_shape(sweep: Sweep, grid: Grid, deadline: float, gate: KdaGatePar
         attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps), "all")
 
 
-# ----------------------------------------------------------------------------------------------------- results
-def _ranked(trials: list[Trial]) -> list[Trial]:
-    return sorted((t for t in trials if t.ms is not None), key=lambda t: t.ms)
-
-
-def summary(trials: list[Trial]) -> list[dict]:
-    """Per shape: the default's number and the fastest correct config."""
-    rows = []
-    for (op, shape) in dict.fromkeys((t.op, t.shape) for t in trials):
-        mine = [t for t in trials if (t.op, t.shape) == (op, shape)]
-        default = next((t for t in mine if t.round == "default"), None)
-        ranked = _ranked(mine)
-        counts = {kind: sum(t.status.startswith(kind) for t in mine) for kind in ("ok", "wrong", "error", "skipped")}
-        rows.append({"op": op, "shape": shape, "shape_class": mine[0].shape_class, "counts": counts,
-                     "default": asdict(default) if default else None,
-                     "best": asdict(ranked[0]) if ranked else None})
-    return rows
-
-
-def _config_source(op: str, config: dict) -> str:
-    name = "MlaDecodeConfig" if op == "mla_decode" else "KdaDecodeConfig"
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in config.items())})"
-
-
-def _pct(trial: dict | None) -> str:
-    if not trial or trial["ms"] is None:
-        return "-" if not trial else trial["status"]
-    return f"{trial['ms']:.4f} ms, {trial['tbps']:.2f} TB/s, {trial['pct_copy']:.1f}% of copy"
-
-
-def markdown(rows: list[dict], trials: list[Trial], env: dict, copy_tbps: float) -> str:
-    lines = [f"# Decode tuning sweep ({env['device']})", "",
-             (f"torch {env['torch']}, triton {env['triton']}, commit {env['commit']}, {env['date']}; copy ceiling "
-             f"{copy_tbps:.2f} TB/s measured in this run."), "",
-             "| op | shape | class | default | best | best config | ok/wrong/error/skipped |",
-             "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        c = row["counts"]
-        best_config = label(row["best"]["config"]) if row["best"] else "-"
-        lines.append(f"| {row['op']} | {row['shape']} | {row['shape_class']} | {_pct(row['default'])} | "
-                     f"{_pct(row['best'])} | {best_config} | {c['ok']}/{c['wrong']}/{c['error']}/{c['skipped']} |")
-    lines += ["", ("Paste into kernels/triton/tuning_ops.py (`_MLA_DECODE_NVIDIA` / `_KDA_DECODE_NVIDIA`); where two "
-              "shapes share a class, take the config that is best on both:"), "", "```"]
-    lines += [f'"{row["shape_class"]}": {_config_source(row["op"], row["best"]["config"])},  # {row["shape"]}'
-              for row in rows if row["best"]]
-    lines += ["```", "", "## Every trial", "", "| op | shape | round | config | ms | % copy | status |",
-              "|---|---|---|---|---|---|---|"]
-    for t in trials:
-        ms = f"{t.ms:.4f}" if t.ms is not None else "-"
-        pct = f"{t.pct_copy:.1f}" if t.pct_copy is not None else "-"
-        lines.append(f"| {t.op} | {t.shape} | {t.round} | {label(t.config)} | {ms} | {pct} | "
-                     f"{t.status.replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
-def write(out_dir: Path, trials: list[Trial], env: dict, copy_tbps: float) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = summary(trials)
-    stem = f"tune-decode-{env['device_slug']}"
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps({"environment": env, "copy_tbps": copy_tbps, "summary": rows,
-                                         "trials": [asdict(t) for t in trials]}, indent=1))
-    md_path.write_text(markdown(rows, trials, env, copy_tbps))
-    return json_path, md_path
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.tune_decode", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="mla,kda", help=f"comma-separated ops: {', '.join(OPS)}")
@@ -393,8 +322,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     print(f"\nwrote {json_path} and {md_path} ({time.perf_counter() - started:.0f} s)")
     for row in rows:
         best = row["best"]
-        print(f"{row['op']} {row['shape']} [{row['shape_class']}]: default {_pct(row['default'])}; best "
-              f"{_pct(best)}" + (f" with {_config_source(row['op'], best['config'])}" if best else ""))
+        print(f"{row['op']} {row['shape']} [{row['shape_class']}]: default {describe(row['default'])}; best "
+              f"{describe(best)}" + (f" with {config_source(row['op'], best['config'])}" if best else ""))
     return rows
 
 
