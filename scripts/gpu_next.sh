@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The device calls owed after the 2026-11-29 (third) session, one nvidia-h200 each (issue 6):
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune    # ~8 min: bench.tune_prefill, chunk 64 and 32, split and
-#                                                        #   one-kernel intra pass, state blocks; fla in-process
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check   # ~5 min: conformance of the ops changed since e509fd0
-#                                                        #   (kda_prefill, short_conv_prefill, mla_prefill; bf16 and
-#                                                        #   fp32) and the whole-model check (the model now passes
-#                                                        #   cu_seqlens on the host)
+# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-29 (fourth) session the owed ones are:
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_bench.sh          # ~8 min, carry .whl: every kernel row at one commit (the
+#                                                          #   committed rows come from 2e3173c, 4e693c7 and 5b54b92)
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh model     # ~1.5 min: k3-mini whole-model bench with its profile
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~3 min: conformance of the ops changed lately and the
+#                                                          #   whole-model check
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)
 # Extra arguments after `tune` go to bench.tune_prefill (e.g. --chunk-sizes 32 --budget-s 150).
-# carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape). Reports land in $OUT; keep them to eight files or fewer.
+# carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape).
+# Reports land in $OUT; the device tool returns about eight files, so keep them few.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,8 +23,12 @@ case "${1:-}" in
     echo "tune_prefill exit $? (124 = hit the limit; finished shapes are in \$OUT)"
     grep -v "^ *File\|^Traceback\|^    \|skipped" "$OUT/tune.log" | tail -n 40 | cut -c1-220
     ;;
+  model)
+    timeout "${LIMIT:-300}" python3 -m bench.model_bench --model k3-mini --out "$OUT" > "$OUT/model_bench.log" 2>&1
+    echo "model_bench exit $?"; grep -E "^\[" "$OUT/model_bench.log" | tail -n 12; rm -f "$OUT/model_bench.log"
+    ;;
   check)
-    for op in kda_prefill short_conv_prefill mla_prefill; do
+    for op in kda_prefill moe_experts short_conv_prefill mla_prefill; do
         timeout "${LIMIT:-150}" python3 -m conformance --backend cuda --op "$op" --dtype bf16,fp32 \
             --report "$OUT/conformance-cuda-h200-$op" > "$OUT/conf-$op.log" 2>&1
         echo "conformance $op exit $?"; grep -E "^$op " "$OUT/conf-$op.log"; rm -f "$OUT/conf-$op.log"
@@ -33,5 +38,5 @@ case "${1:-}" in
     echo "model_check exit $?"; tail -n 3 "$OUT/model.log"; rm -f "$OUT/model.log"
     ;;
   *)
-    echo "usage: bash scripts/gpu_next.sh tune|check" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu_next.sh tune|check|model" >&2; exit 2 ;;
 esac
