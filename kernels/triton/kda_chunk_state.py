@@ -29,7 +29,6 @@ def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_
         start = tl.load(chunk_start_ptr + i_chunk, mask=valid, other=0).to(tl.int64)
         length = tl.load(chunk_len_ptr + i_chunk, mask=valid, other=0)
     else:
-        valid = True
         start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
         length = tl.load(chunk_len_ptr + i_chunk)
     k_ok = cols_k < K

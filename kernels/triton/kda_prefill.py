@@ -100,8 +100,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     """q, k, f [T, H, K], v [T, H, V], beta_logits [T, H] -> KdaPrefillOut; state[slot_ids] updated in place.
 
     chunk_size (keyword only, a power of two >= 16): tokens per chunk, by default the vendor table's
-    `kda_intra` block_t (64; `bench.tune_prefill --chunk-sizes` compares others). Any checkpoint_interval >= 0
-    works (chunks are also cut at its multiples).
+    `kda_intra` block_t (32 on NVIDIA, 64 on AMD; `bench.tune_prefill --chunk-sizes` compares others). Any
+    checkpoint_interval >= 0 works (chunks are also cut at its multiples).
     """
     launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
                                          has_initial_state, scale, checkpoint_interval, chunk_size=chunk_size)
@@ -223,8 +223,9 @@ class PrefillLaunch:
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at
         its value block, else `kda_state` (smaller value blocks: more programs for few long sequences). On an H200
-        (bench/results/tune-prefill-nvidia-h200.md) the wide blocks won at 8 x 4K (192 programs, 0.36 ms against
-        0.71) and 64 x 512, and lost at B=1 (24 programs, 1.28 ms against 0.94).
+        at 32-token chunks (bench/results/tune-prefill-prefetch-nvidia-h200.md) the wide blocks won at 8 x 4K (192
+        programs, 0.39 ms against 0.72) and 64 x 512 (0.34 against 0.73), and lost at B=1 (24 programs, 2.16 ms
+        against 1.46).
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
