@@ -50,18 +50,19 @@ SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(leng
 # 8 or 16 warps never won at either chunk size, so the grid now looks around the winner instead.
 # Also tried at e0051a0 and dropped (bench/README.md): the pass over channel tiles, a ptxas register cap, 2 warps.
 INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (4, 1, True))
-# (block_v, warps, stages, split, prefetch) of the state pass, the untimed prefetch forms first (a budget cut loses
-# the tail). Left out after the 2026-11-29 sweeps (tune-prefill-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and
-# (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best, and the split
-# form never won (it was aimed at B=1, where it lost 1.10 against 0.94 ms).
-STATE_GRID = (tuple((block_v, warps, stages, False, True) for block_v, warps, stages in
-                    ((16, 4, 2), (16, 8, 2), (16, 8, 1), (32, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 1)))
-              + ((16, 4, 2, False, False), (16, 8, 2, False, False), (32, 4, 2, False, False),
-                 (64, 4, 1, False, False), (64, 4, 2, False, False), (32, 2, 1, False, False),
-                 (32, 4, 2, True, False)))
+# (block_v, warps, stages, split, prefetch, segment_chunks) of the state pass, the untimed segmented forms first (a
+# budget cut loses the tail). Left out after the 2026-11-29 sweeps (tune-prefill-*-nvidia-h200.md): (16, 4, 1),
+# (32, 4, 1) and (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best,
+# and the split form never won (it was aimed at B=1, where it lost 1.86 against 1.46 ms at 32-token chunks).
+STATE_GRID = (tuple((block_v, warps, 2, False, True, segment) for segment in (16, 32, 64)
+                    for block_v, warps in ((16, 4), (32, 4)))
+              + tuple((block_v, warps, stages, False, True, 0) for block_v, warps, stages in
+                      ((16, 4, 2), (16, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)))
+              + ((16, 4, 2, False, False, 0), (64, 4, 1, False, False, 0), (64, 4, 2, False, False, 0)))
 PASSES = ("intra", "state")
 SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, True))
-SMOKE_STATE_GRID = ((8, 1, 1, False, False), (16, 1, 1, True, False), (8, 1, 1, False, True))
+SMOKE_STATE_GRID = ((8, 1, 1, False, False, 0), (16, 1, 1, True, False, 0), (8, 1, 1, False, True, 0),
+                    (8, 1, 1, False, True, 2))
 
 
 @dataclasses.dataclass
@@ -80,13 +81,13 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
     return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split) for w, s, split in intra_grid],
-            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split, prefetch=prefetch)
-             for b, w, s, split, prefetch in state_grid])
+            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split, prefetch=prefetch,
+                                 segment_chunks=segment) for b, w, s, split, prefetch, segment in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
     keys = ("num_warps", "num_stages", "split", "solve_precision") if kind == "intra" else (
-        "block_v", "num_warps", "num_stages", "split", "prefetch")
+        "block_v", "num_warps", "num_stages", "split", "prefetch", "segment_chunks")
     return {key: getattr(config, key) for key in keys}
 
 

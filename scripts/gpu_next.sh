@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # Device calls for issue 6, one nvidia-h200 each. After the 2026-11-29 (fourth) session the owed ones are:
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune --chunk-sizes 32 --passes state --budget-s 150
+#                                                          # ~3 min: times the segmented KDA state pass (new, never
+#                                                          #   run on a GPU) against the table's; then set _NVIDIA
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_bench.sh          # ~8 min, carry .whl: every kernel row at one commit (the
 #                                                          #   committed rows come from 2e3173c, 4e693c7 and 5b54b92)
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh model     # ~1.5 min: k3-mini whole-model bench with its profile

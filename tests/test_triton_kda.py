@@ -119,13 +119,22 @@ PREFILL_CASES = [
 ]
 
 
-def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run) -> None:
+def _long_memory_gate(num_heads: int, k_dim: int) -> KdaGateParams:
+    """A lower-bounded gate that barely decays (dt_bias = -8: g ~ -5 sigmoid(-8) ~ -2e-3 per token), so the state
+    carried across chunks and segments decides the outputs. The random gates above forget within a chunk (about
+    -2.5 per token), which leaves the inter-chunk recurrence almost untested."""
+    a_log = torch.randn(num_heads) * 0.1
+    return KdaGateParams(a_log.to(DEVICE), torch.full((num_heads * k_dim,), -8.0, device=DEVICE), "lower_bound")
+
+
+def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run,
+                        gate: KdaGateParams | None = None) -> None:
     """run(**kda_prefill kwargs) -> KdaPrefillOut against the float64 reference: outputs, the named slots'
     states, checkpoints, and every other byte of the strided state pool untouched."""
     num_heads = 2
     cu_seqlens = _cu_seqlens(lengths).to(DEVICE)
     inputs = _inputs(int(cu_seqlens[-1]), num_heads, k_dim, v_dim, strong)
-    gate = _gate(form, num_heads, k_dim, strong)
+    gate = gate or _gate(form, num_heads, k_dim, strong)
     arena, state = _state_pool(num_heads, v_dim, k_dim)
     slot_ids = torch.randperm(NUM_SLOTS)[:len(lengths)].to(DEVICE)
     has_initial_state = (torch.rand(len(lengths)) < 0.6).to(DEVICE)
@@ -156,6 +165,69 @@ def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, stron
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
 def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong):
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, kda_prefill)
+
+
+@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_segmented_state_pass_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong,
+                                                segment_chunks):
+    """KernelConfig(segment_chunks=n): each sequence's chunks as segments of >= n chunks (cut only where a
+    checkpoint may fall), their affine maps, the scan over them and the state pass per segment give the
+    reference's outputs, final states and checkpoints, also for empty sequences and initial states."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra()
+        launch.state(dataclasses.replace(launch.state_config(), segment_chunks=segment_chunks))
+        return out
+
+    _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
+
+
+LONG_MEMORY_CASES = [(16, [100, 0, 37], 0), (32, [130, 70], 32), (16, [75], 24)]   # chunk, lengths, interval
+
+
+@pytest.mark.parametrize("chunk_size,lengths,interval", LONG_MEMORY_CASES)
+@pytest.mark.parametrize("variant", ["table", "prefetch", "split", "segments of 1", "segments of 3"])
+def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths, interval, variant):
+    """Every form of the state pass, on a gate that keeps the state for hundreds of tokens: the state handed from
+    chunk to chunk (and from segment to segment) is what the outputs depend on here."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra()
+        config = launch.state_config()
+        changes = {"table": {}, "prefetch": {"prefetch": not config.prefetch}, "split": {"split": True},
+                   "segments of 1": {"segment_chunks": 1}, "segments of 3": {"segment_chunks": 3}}[variant]
+        launch.state(dataclasses.replace(config, **changes))
+        return out
+
+    _check_prefill_case("lower_bound", chunk_size, lengths, 16, 16, interval, False, run,
+                        gate=_long_memory_gate(2, 16))
+
+
+def test_segments_end_only_where_a_checkpoint_may_fall():
+    from kernels.triton.kda_prefill import host_chunk_plan, plan_segments
+
+    bounds = [0, 50, 50, 124]                        # 50 tokens, an empty sequence, 74 tokens
+    host = host_chunk_plan(bounds, 16, 24)           # chunks end at 16, 24, 32, 48, 50 | - | 16, 24, 32, 48, 64, 72, 74
+    segments = plan_segments(bounds, host, 24, 1, torch.device("cpu"))
+    seg_chunk = segments.seg_chunk.tolist()
+    assert seg_chunk == [0, 2, 4, 5, 5, 7, 9, 11, 12]
+    assert segments.seq_seg.tolist() == [0, 3, 4, 8] and segments.last_seg.tolist() == [2, 3, 7]
+    assert segments.seg_bos.tolist() == [0, 0, 0, 50, 50, 50, 50, 50]
+    for segment, end in enumerate(seg_chunk[1:]):
+        seq = next(b for b in range(3) if segments.seq_seg[b] <= segment < segments.seq_seg[b + 1])
+        if end != host.seq_chunk[seq + 1]:           # an inner cut: a multiple of the interval into the sequence
+            assert (host.starts[end - 1] + host.lengths[end - 1] - bounds[seq]) % 24 == 0
+    with pytest.raises(ValueError, match="segment_chunks"):
+        plan_segments(bounds, host, 24, 0, torch.device("cpu"))
 
 
 def test_prefill_empty_batch():

@@ -15,6 +15,7 @@ import triton
 from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
+from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
 from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_output_kernel, kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
@@ -38,12 +39,29 @@ class ChunkPlan(NamedTuple):
     ckpt_lengths: torch.Tensor       # [num_ckpts] tokens consumed at each checkpoint row
 
 
+class HostChunkPlan(NamedTuple):
+    """`ChunkPlan`'s cut tables as host lists (see there)."""
+    starts: list[int]
+    lengths: list[int]
+    seq_chunk: list[int]
+    seq_ckpt: list[int]
+    ckpt_seq_ids: list[int]
+    ckpt_lengths: list[int]
+
+
 def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, device: torch.device,
                 slots: list[int] | None = None) -> ChunkPlan:
     """Cut each sequence at multiples of chunk_size and of checkpoint_interval (so checkpoints end chunks).
 
     Every table is built on the host and reaches the device in one non-blocking copy (`index_tables`).
     """
+    host = host_chunk_plan(bounds, chunk_size, checkpoint_interval)
+    slots = list(range(len(bounds) - 1)) if slots is None else slots
+    return ChunkPlan(*index_tables([host.starts, host.lengths, host.seq_chunk, host.seq_ckpt, bounds, slots,
+                                    host.ckpt_seq_ids, host.ckpt_lengths], device))
+
+
+def host_chunk_plan(bounds: list[int], chunk_size: int, checkpoint_interval: int) -> HostChunkPlan:
     starts: list[int] = []
     lengths: list[int] = []
     seq_chunk = [0]
@@ -66,9 +84,50 @@ def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, de
             lengths.append(hi - lo)
         seq_chunk.append(len(starts))
         seq_ckpt.append(len(ckpt_lengths))
-    slots = list(range(len(bounds) - 1)) if slots is None else slots
-    return ChunkPlan(*index_tables([starts, lengths, seq_chunk, seq_ckpt, bounds, slots, ckpt_seq_ids,
-                                    ckpt_lengths], device))
+    return HostChunkPlan(starts, lengths, seq_chunk, seq_ckpt, ckpt_seq_ids, ckpt_lengths)
+
+
+class SegmentPlan(NamedTuple):
+    """The batch's chunks grouped into segments for the segmented state pass (`kda_chunk_segments`): each
+    segment is a run of whole chunks of one sequence that ends where a checkpoint may fall. int32 device tensors
+    of one copy; num_segments on the host."""
+    seg_chunk: torch.Tensor          # [S + 1] chunks of segment s are seg_chunk[s] .. seg_chunk[s + 1] - 1
+    seg_bos: torch.Tensor            # [S] first token of the segment's sequence (checkpoint positions count from it)
+    seg_ckpt: torch.Tensor           # [S] the sequence's first checkpoint row
+    seg_slots: torch.Tensor          # [S] 0 .. S - 1: the segment's row of the segment-state scratch
+    seg_has_init: torch.Tensor       # [S] all 1: every segment starts from the state the scan stored
+    seq_seg: torch.Tensor            # [B + 1] segments of sequence b are seq_seg[b] .. seq_seg[b + 1] - 1
+    last_seg: torch.Tensor           # [B] the last segment of each sequence (its final state is the sequence's)
+    num_segments: int
+
+
+def plan_segments(bounds: list[int], host: HostChunkPlan, checkpoint_interval: int, segment_chunks: int,
+                  device: torch.device) -> SegmentPlan:
+    """Cut each sequence's chunks into segments of at least segment_chunks chunks, only at chunk ends that are
+    multiples of checkpoint_interval tokens into the sequence (any chunk end when it is 0); every sequence,
+    even an empty one, gets at least one segment."""
+    if segment_chunks < 1:
+        raise ValueError(f"kda_prefill: segment_chunks must be >= 1, got {segment_chunks}")
+    seg_chunk, seg_bos, seg_ckpt, seq_seg, last_seg = [0], [], [], [0], []
+    for b in range(len(bounds) - 1):
+        first, end = host.seq_chunk[b], host.seq_chunk[b + 1]
+        since = 0
+        for j in range(first, end - 1):             # a cut after chunk j
+            since += 1
+            consumed = host.starts[j] + host.lengths[j] - bounds[b]
+            if since >= segment_chunks and (checkpoint_interval == 0 or consumed % checkpoint_interval == 0):
+                seg_chunk.append(j + 1)
+                since = 0
+        seg_chunk.append(end)
+        count = len(seg_chunk) - 1 - len(seg_bos)
+        seg_bos += [bounds[b]] * count
+        seg_ckpt += [host.seq_ckpt[b]] * count
+        seq_seg.append(len(seg_bos))
+        last_seg.append(len(seg_bos) - 1)
+    num_segments = len(seg_bos)
+    tables = index_tables([seg_chunk, seg_bos, seg_ckpt, list(range(num_segments)), [1] * num_segments, seq_seg,
+                           last_seg], device)
+    return SegmentPlan(*tables, num_segments)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
@@ -139,7 +198,7 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     if num_seqs == 0:
         return None, result
     return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, has_initial_state, state,
-                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size), result
+                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size, bounds), result
 
 
 class PrefillLaunch:
@@ -152,10 +211,11 @@ class PrefillLaunch:
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
                  has_initial_state, state, output, ckpt_states, scale: float, checkpoint_interval: int,
-                 chunk_size: int):
+                 chunk_size: int, bounds: list[int]):
         self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
         self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
         self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
+        self.bounds = bounds
         self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
         num_tokens, self.num_heads, self.k_dim = q.shape
         self.v_dim = v.shape[-1]
@@ -240,10 +300,11 @@ class PrefillLaunch:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
 
         config.split: the sequential loop only carries the state (and stores it, per chunk, with U), and
-        `kda_chunk_output_kernel` forms the outputs in parallel over chunks afterwards."""
+        `kda_chunk_output_kernel` forms the outputs in parallel over chunks afterwards.
+        config.segment_chunks: the chunks run as segments of at least that many, in parallel
+        (`kda_chunk_segments`), each from the state entering it."""
         config = config or self.state_config()
         block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
-        grid = (triton.cdiv(self.v_dim, block_v), self.num_heads, self.num_seqs)
         hs = un = self.output                                          # not touched unless config.split
         if config.split:
             if self._state_scratch is None:
@@ -253,18 +314,52 @@ class PrefillLaunch:
                                 device=self.w.device),
                     torch.empty_like(self.u0))
             hs, un = self._state_scratch
-        kda_chunk_state_kernel[grid](
-            self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, self.state_tensor,
-            self.state_tensor.stride(0), self.plan.slots, self.has_init, self.plan.cu_seqlens, self.plan.seq_chunk,
-            self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, self.plan.seq_ckpt,
-            max(self.checkpoint_interval, 1), self.scale, hs, un,
-            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
-            BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
-            PRECISION=self._precision(config), STORE_H=config.split, PREFETCH=config.prefetch,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.segment_chunks:
+            self._state_segmented(config, block_v, hs, un)
+        else:
+            self._state_kernel(config, block_v, hs, un, self.num_seqs, self.state_tensor, self.plan.slots,
+                               self.has_init, self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
         if config.split and self.num_chunks > 0:
             block_out = min(64, pow2_at_least(self.v_dim))
             kda_chunk_output_kernel[(self.num_chunks, self.num_heads, triton.cdiv(self.v_dim, block_out))](
                 self.qg, self.aqk, hs, un, self.output, self.plan.chunk_start, self.plan.chunk_len, self.scale,
                 H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
                 BV=block_out, PRECISION=self._precision(config), num_warps=4)
+
+    def _state_kernel(self, config: KernelConfig, block_v: int, hs, un, num_seqs: int, state, slots, has_init,
+                      bos, seq_chunk, seq_ckpt) -> None:
+        """kda_chunk_state_kernel over `num_seqs` runs of chunks (the sequences, or segments of them)."""
+        kda_chunk_state_kernel[(triton.cdiv(self.v_dim, block_v), self.num_heads, num_seqs)](
+            self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, state, state.stride(0), slots,
+            has_init, bos, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, seq_ckpt,
+            max(self.checkpoint_interval, 1), self.scale, hs, un,
+            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
+            BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
+            PRECISION=self._precision(config), STORE_H=config.split, PREFETCH=config.prefetch,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def _state_segmented(self, config: KernelConfig, block_v: int, hs, un) -> None:
+        """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's
+        segments, then the state pass per segment; each sequence's final state is its last segment's."""
+        segments = plan_segments(self.bounds, host_chunk_plan(self.bounds, self.chunk_size, self.checkpoint_interval),
+                                 self.checkpoint_interval, config.segment_chunks, self.w.device)
+        k_dim, v_dim, heads = self.k_dim, self.v_dim, self.num_heads
+        block_k = pow2_at_least(k_dim)
+        seg_map = torch.empty(segments.num_segments, heads, k_dim, k_dim + v_dim, dtype=torch.float32,
+                              device=self.w.device)                       # [T | b] of every segment
+        seg_state = torch.empty(segments.num_segments, heads, v_dim, k_dim, dtype=torch.float32,
+                                device=self.w.device)                     # the state entering / leaving each
+        block_c = min(pow2_at_least(config.block_v), pow2_at_least(k_dim + v_dim))
+        kda_segment_map_kernel[(triton.cdiv(k_dim + v_dim, block_c), heads, segments.num_segments)](
+            self.w, self.u0, self.kd, self.decay, self.plan.chunk_start, self.plan.chunk_len, segments.seg_chunk,
+            seg_map, H=heads, K=k_dim, V=v_dim, BT=self.chunk_size, BK=block_k, BC=block_c,
+            INTERPRETED=is_interpreted(), PRECISION=self._precision(config), num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        kda_segment_scan_kernel[(triton.cdiv(v_dim, block_v), heads, self.num_seqs)](
+            seg_map, self.state_tensor, self.state_tensor.stride(0), self.plan.slots, self.has_init,
+            segments.seq_seg, seg_state, H=heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
+            INTERPRETED=is_interpreted(), PRECISION=self._precision(config), num_warps=8)
+        self._state_kernel(config, block_v, hs, un, segments.num_segments, seg_state, segments.seg_slots,
+                           segments.seg_has_init, segments.seg_bos, segments.seg_chunk, segments.seg_ckpt)
+        self.state_tensor[self.plan.slots.long()] = seg_state[segments.last_seg.long()]
+

@@ -32,6 +32,8 @@ class KernelConfig:
     split: bool = False
     # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
     prefetch: bool = False
+    # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off
+    segment_chunks: int = 0
 
 
 _NVIDIA: dict[str, KernelConfig] = {
