@@ -66,9 +66,12 @@ def _poisoned_state(gen: torch.Generator, shape: tuple[int, ...], slot_ids: torc
     return state
 
 
-def _gate(gen: torch.Generator, heads: int, head_dim: int, form: str) -> KdaGateParams:
-    return KdaGateParams(A_log=_randn(gen, heads, scale=0.5), dt_bias=_randn(gen, heads * head_dim, scale=0.5),
-                         form=form, lower_bound=-5.0)
+def _gate(gen: torch.Generator, heads: int, head_dim: int, form: str, memory: str = "short") -> KdaGateParams:
+    """memory "short": about -2.5 (lower-bounded) or -0.7 (softplus) of log-decay per token, so the state is
+    forgotten within a few tokens; "long": dt_bias -8 makes it ~-2e-3 (lower-bounded) per token, so the state
+    handed from chunk to chunk decides the outputs (a wrong carry across chunks fails only such a case)."""
+    dt_bias = _randn(gen, heads * head_dim, scale=0.5) + (-8.0 if memory == "long" else 0.0)
+    return KdaGateParams(A_log=_randn(gen, heads, scale=0.5), dt_bias=dt_bias, form=form, lower_bound=-5.0)
 
 
 # ---- builders: one per op ---------------------------------------------------------------------------------
@@ -125,7 +128,8 @@ def build_kda_prefill(p: dict, gen: torch.Generator) -> OpCall:
     has_initial = torch.tensor([i % 2 == 1 for i in range(len(lengths))], dtype=torch.bool)
     state = _poisoned_state(gen, (num_slots, heads, head_dim, head_dim), slot_ids, has_initial, 0.3)
     args = _kda_inputs(gen, sum(lengths), heads, head_dim)
-    args.update(gate=_gate(gen, heads, head_dim, p["form"]), cu_seqlens=_cu_seqlens(lengths), state=state,
+    args.update(gate=_gate(gen, heads, head_dim, p["form"], p.get("memory", "short")), cu_seqlens=_cu_seqlens(lengths),
+                state=state,
                 slot_ids=slot_ids, has_initial_state=has_initial, scale=head_dim ** -0.5,
                 checkpoint_interval=p.get("checkpoint_interval", 0))
     return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids}, _host_metadata(p))
@@ -255,6 +259,10 @@ def _cases() -> list[Case]:
         form="lower_bound", checkpoint_interval=16, host_metadata=True)
     add("kda_prefill", "varlen-1-1000-63-K128-ckpt64", "full", lengths=[1, 1000, 63], H=2, K=128, slots=6,
         form="softplus", checkpoint_interval=64)
+    add("kda_prefill", "long-memory-varlen-ckpt32", "quick", lengths=[100, 0, 37, 150], H=2, K=32, slots=6,
+        form="lower_bound", checkpoint_interval=32, memory="long")
+    add("kda_prefill", "long-memory-T2000-K128-ckpt64", "full", lengths=[2000, 300], H=2, K=128, slots=4,
+        form="lower_bound", checkpoint_interval=64, memory="long")
     # 40 sequences x 12 heads: enough programs that a GPU's state pass takes the wide value blocks (kda_state_wide)
     add("kda_prefill", "varlen-40seqs-H12-K128-ckpt64", "full", lengths=[1, 130, 64, 65, 7, 200, 2, 63] * 5, H=12,
         K=128, slots=45, form="lower_bound", checkpoint_interval=64)
