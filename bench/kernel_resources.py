@@ -23,8 +23,9 @@ from pathlib import Path
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
 # kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass;
 # kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
+# kda_segment_map + kda_segment_scan (+ kda_state per segment) = the segmented state pass (KernelConfig.segment_chunks)
 KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_state_prefetch",
-           "kda_output")
+           "kda_output", "kda_segment_map", "kda_segment_scan")
 STATE_KERNELS = ("kda_state", "kda_state_split", "kda_state_prefetch")
 
 
@@ -76,6 +77,18 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "chunk_start_ptr": "i32", "chunk_len_ptr": "i32"}
         scalars = {"scale": "fp32"}
         consts = dict(KDA_SHAPE, PRECISION="ieee")
+    elif kernel == "kda_segment_map":
+        from kernels.triton.kda_chunk_segments import kda_segment_map_kernel as fn  # noqa: PLC0415
+        pointers = {"w_ptr": "bf16", "u_ptr": "bf16", "kd_ptr": "bf16", "decay_ptr": "fp32",
+                    "chunk_start_ptr": "i32", "chunk_len_ptr": "i32", "seg_chunk_ptr": "i32", "map_ptr": "fp32"}
+        scalars = {}
+        consts = dict(H=12, K=128, V=128, BT=64, BK=128, INTERPRETED=False, PRECISION="tf32")
+    elif kernel == "kda_segment_scan":
+        from kernels.triton.kda_chunk_segments import kda_segment_scan_kernel as fn  # noqa: PLC0415
+        pointers = {"map_ptr": "fp32", "state_ptr": "fp32", "slot_ptr": "i32", "has_init_ptr": "i32",
+                    "seq_seg_ptr": "i32", "seg_state_ptr": "fp32"}
+        scalars = {"state_stride": "i64"}
+        consts = dict(H=12, K=128, V=128, BK=128, INTERPRETED=False, PRECISION="tf32")
     elif kernel in STATE_KERNELS:
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
@@ -106,8 +119,12 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
     consts["BT"] = chunk
-    if kernel in (*STATE_KERNELS, "kda_output"):
+    if kernel in (*STATE_KERNELS, "kda_output", "kda_segment_scan"):
         consts["BV"] = block_v or 16
+    if kernel == "kda_segment_map":             # block_v stands for its column block of [T | b]
+        consts["BC"] = block_v or 16
+    if kernel == "kda_segment_scan":            # it has no chunk rows
+        consts.pop("BT")
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as directory:
@@ -129,7 +146,8 @@ DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_i
                    ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
                    ("kda_state_split", 4, 2, 16), ("kda_state_split", 4, 2, 64), ("kda_state_prefetch", 4, 2, 16),
-                   ("kda_state_prefetch", 4, 1, 64), ("kda_output", 4, 1, 64))
+                   ("kda_state_prefetch", 4, 1, 64), ("kda_output", 4, 1, 64), ("kda_segment_map", 4, 2, 16),
+                   ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16))
 
 
 def main(argv: list[str] | None = None) -> int:
