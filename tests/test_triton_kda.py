@@ -212,6 +212,26 @@ def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths
                         gate=_long_memory_gate(2, 16))
 
 
+def test_state_config_segments_only_sequences_long_enough_for_two_segments(monkeypatch):
+    """A table entry with segment_chunks (none has it yet: the segmented pass is untimed) applies to a batch only
+    when its longest sequence spans two segments; shorter batches get the same entry without it."""
+    import dataclasses
+
+    from kernels.triton import kda_prefill as module
+
+    table = {kind: dataclasses.replace(kernel_config(kind), segment_chunks=4)
+             for kind in ("kda_state", "kda_state_wide")}
+    monkeypatch.setattr(module, "kernel_config", lambda kind, vendor=None: table.get(kind) or kernel_config(kind))
+    num_heads, k_dim, v_dim = 2, 16, 16
+    for lengths, segmented in (([112, 5], False), ([128, 5], True)):     # 7 and 8 chunks of 16
+        inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
+        launch, _ = module.prepare_kda_prefill(
+            **inputs, gate=_gate("lower_bound", num_heads, k_dim, False), cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+            state=torch.zeros(2, num_heads, v_dim, k_dim, device=DEVICE), slot_ids=torch.arange(2, device=DEVICE),
+            has_initial_state=torch.zeros(2, dtype=torch.bool, device=DEVICE), scale=0.5, chunk_size=16)
+        assert launch.state_config().segment_chunks == (4 if segmented else 0), lengths
+
+
 def test_segments_end_only_where_a_checkpoint_may_fall():
     from kernels.triton.kda_prefill import host_chunk_plan, plan_segments
 

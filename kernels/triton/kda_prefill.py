@@ -7,6 +7,7 @@ checkpoint rows (by sequence, then position).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -289,12 +290,20 @@ class PrefillLaunch:
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
+
+        A table entry with segment_chunks keeps it only when some sequence spans at least two segments of that
+        many chunks; otherwise the segmented pass would add its map and scan for one segment per sequence.
         """
         wide = kernel_config("kda_state_wide")
         programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, wide.block_v)
         if self.work_dtype == torch.float32 and not is_interpreted():
-            return kernel_config("kda_state")
-        return wide if programs >= compute_units(self.q.device) else kernel_config("kda_state")
+            config = kernel_config("kda_state")
+        else:
+            config = wide if programs >= compute_units(self.q.device) else kernel_config("kda_state")
+        longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
+        if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
+            config = dataclasses.replace(config, segment_chunks=0)
+        return config
 
     def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
