@@ -7,9 +7,11 @@ kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (paral
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
 shapes but the 128K one (32K has the same form), this times the whole op, each pass alone with the table configs,
 and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for. Then each pass is
-swept on its own over (num_warps, num_stages), for `intra` one kernel or two (split), for `state` the value block
-and whether the outputs come from a separate parallel kernel (split). Every trial first runs on NaN-filled workspace
-and outputs, and the op's output and final states are checked against the float64 reference (bench/cases_kda); only
+swept on its own over (num_warps, num_stages), for `intra` one kernel or two (split), for `state` the value block,
+whether the outputs come from a separate parallel kernel (split), whether each chunk's loads are issued a step
+ahead (prefetch) and whether the chunks run as parallel segments (segment_chunks). Every trial first runs on
+NaN-filled workspace and outputs, and the op's output and final states are checked against the float64 reference
+(bench/cases_kda); only
 a config that compiled and passed is timed (do_bench median, the sweep's short budget). Configs past the time budget
 are listed as skipped. Results: tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with
 the best config of each pass per shape and chunk size (the table is `_NVIDIA` in kernels/triton/tuning.py)."""
