@@ -404,6 +404,24 @@ def test_kernel_configs_cover_both_vendors():
         kernel_config("kda_state", "intel")
 
 
+@pytest.mark.parametrize("case", [PREFILL_CASES[5], PREFILL_CASES[6]])
+def test_prefill_with_the_amd_table_matches_reference(case):
+    """The AMD entries (never run on AMD hardware) give the reference's results under the interpreter: their
+    chunk size, value blocks and solve precision; num_warps and num_stages only matter when compiled."""
+    form, _, lengths, k_dim, v_dim, interval, strong = case
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        kwargs["chunk_size"] = kernel_config("kda_intra", "amd").block_t
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra(kernel_config("kda_intra", "amd"))
+        launch.state(kernel_config("kda_state", "amd"))
+        return out
+
+    _check_prefill_case(form, kernel_config("kda_intra", "amd").block_t, lengths, k_dim, v_dim, interval, strong,
+                        run)
+
+
 def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device():
     """kda_state_wide when sequences x heads x value blocks give >= 1 program per compute unit (16-bit inputs, or
     the interpreter), else kda_state; both configs give the reference's output (the many-sequence PREFILL_CASES

@@ -60,10 +60,11 @@ _AMD: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=2),
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
     "kda_intra": KernelConfig(block_t=64, num_warps=4, solve_precision="ieee"),
-    # Not run on AMD hardware. This is one of the configs that gave wrong outputs under Triton 3.6 on an H200 (see
-    # _NVIDIA): run `bench.tune_prefill` on an MI-series GPU before trusting it.
-    "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=1),
-    "kda_state_wide": KernelConfig(block_v=32, num_warps=4, num_stages=1),
+    # Not run on AMD hardware. Until `bench.tune_prefill` runs on an MI-series GPU, these are configs that gave
+    # correct outputs under Triton 3.6 on an H200 (tune-prefill-*-nvidia-h200.md); the earlier entry, block_v 32 on
+    # 4 warps with num_stages=1, was one of the three that gave WRONG outputs there.
+    "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=2),
+    "kda_state_wide": KernelConfig(block_v=32, num_warps=4, num_stages=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=2),
     "conv_decode": KernelConfig(block_c=256, num_warps=2),
 }
