@@ -1,0 +1,188 @@
+"""The forms of the Triton KDA state pass (table, wide blocks, prefetch, split, segmented), the vendor tables'
+entries, and the state carried from chunk to chunk on a long-memory gate, each against the float64 reference
+(set-up in kda_helpers)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # also set by conftest.py; kept for running this file alone
+pytest.importorskip("triton")
+
+import kernels.torch.kda as ref_kda  # noqa: E402
+from kda_helpers import (  # noqa: E402
+    DEVICE,
+    KDA_OUT_TOL,
+    PREFILL_CASES,
+    _as64,
+    _check_prefill_case,
+    _cu_seqlens,
+    _gate,
+    _inputs,
+    _long_memory_gate,
+    nan_poisoned_empty,  # noqa: F401 (autouse fixture: every torch.empty starts as NaN)
+)
+from kernels.triton.tuning import kernel_config  # noqa: E402
+
+
+@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_segmented_state_pass_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong,
+                                                segment_chunks):
+    """KernelConfig(segment_chunks=n): each sequence's chunks as segments of >= n chunks (cut only where a
+    checkpoint may fall), their affine maps, the scan over them and the state pass per segment give the
+    reference's outputs, final states and checkpoints, also for empty sequences and initial states."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra()
+        launch.state(dataclasses.replace(launch.state_config(), segment_chunks=segment_chunks))
+        return out
+
+    _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
+
+
+LONG_MEMORY_CASES = [(16, [100, 0, 37], 0), (32, [130, 70], 32), (16, [75], 24)]   # chunk, lengths, interval
+
+
+@pytest.mark.parametrize("chunk_size,lengths,interval", LONG_MEMORY_CASES)
+@pytest.mark.parametrize("variant", ["table", "prefetch", "split", "segments of 1", "segments of 3"])
+def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths, interval, variant):
+    """Every form of the state pass, on a gate that keeps the state for hundreds of tokens: the state handed from
+    chunk to chunk (and from segment to segment) is what the outputs depend on here."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra()
+        config = launch.state_config()
+        changes = {"table": {}, "prefetch": {"prefetch": not config.prefetch}, "split": {"split": True},
+                   "segments of 1": {"segment_chunks": 1}, "segments of 3": {"segment_chunks": 3}}[variant]
+        launch.state(dataclasses.replace(config, **changes))
+        return out
+
+    _check_prefill_case("lower_bound", chunk_size, lengths, 16, 16, interval, False, run,
+                        gate=_long_memory_gate(2, 16))
+
+
+def test_state_config_segments_only_sequences_long_enough_for_two_segments(monkeypatch):
+    """A table entry with segment_chunks (none has it yet: the segmented pass is untimed) applies to a batch only
+    when its longest sequence spans two segments; shorter batches get the same entry without it."""
+    import dataclasses
+
+    from kernels.triton import kda_prefill as module
+
+    table = {kind: dataclasses.replace(kernel_config(kind), segment_chunks=4)
+             for kind in ("kda_state", "kda_state_wide")}
+    monkeypatch.setattr(module, "kernel_config", lambda kind, vendor=None: table.get(kind) or kernel_config(kind))
+    num_heads, k_dim, v_dim = 2, 16, 16
+    for lengths, segmented in (([112, 5], False), ([128, 5], True)):     # 7 and 8 chunks of 16
+        inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
+        launch, _ = module.prepare_kda_prefill(
+            **inputs, gate=_gate("lower_bound", num_heads, k_dim, False), cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+            state=torch.zeros(2, num_heads, v_dim, k_dim, device=DEVICE), slot_ids=torch.arange(2, device=DEVICE),
+            has_initial_state=torch.zeros(2, dtype=torch.bool, device=DEVICE), scale=0.5, chunk_size=16)
+        assert launch.state_config().segment_chunks == (4 if segmented else 0), lengths
+
+
+def test_segments_end_only_where_a_checkpoint_may_fall():
+    from kernels.triton.kda_prefill import host_chunk_plan, plan_segments
+
+    bounds = [0, 50, 50, 124]                        # 50 tokens, an empty sequence, 74 tokens
+    host = host_chunk_plan(bounds, 16, 24)           # chunks end at 16, 24, 32, 48, 50 | - | 16, 24, 32, 48, 64, 72, 74
+    segments = plan_segments(bounds, host, 24, 1, torch.device("cpu"))
+    seg_chunk = segments.seg_chunk.tolist()
+    assert seg_chunk == [0, 2, 4, 5, 5, 7, 9, 11, 12]
+    assert segments.seq_seg.tolist() == [0, 3, 4, 8] and segments.last_seg.tolist() == [2, 3, 7]
+    assert segments.seg_bos.tolist() == [0, 0, 0, 50, 50, 50, 50, 50]
+    for segment, end in enumerate(seg_chunk[1:]):
+        seq = next(b for b in range(3) if segments.seq_seg[b] <= segment < segments.seq_seg[b + 1])
+        if end != host.seq_chunk[seq + 1]:           # an inner cut: a multiple of the interval into the sequence
+            assert (host.starts[end - 1] + host.lengths[end - 1] - bounds[seq]) % 24 == 0
+    with pytest.raises(ValueError, match="segment_chunks"):
+        plan_segments(bounds, host, 24, 0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", [PREFILL_CASES[5], PREFILL_CASES[6]])
+def test_prefill_with_the_amd_table_matches_reference(case):
+    """The AMD entries (never run on AMD hardware) give the reference's results under the interpreter: their
+    chunk size, value blocks and solve precision; num_warps and num_stages only matter when compiled."""
+    form, _, lengths, k_dim, v_dim, interval, strong = case
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        kwargs["chunk_size"] = kernel_config("kda_intra", "amd").block_t
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra(kernel_config("kda_intra", "amd"))
+        launch.state(kernel_config("kda_state", "amd"))
+        return out
+
+    _check_prefill_case(form, kernel_config("kda_intra", "amd").block_t, lengths, k_dim, v_dim, interval, strong,
+                        run)
+
+
+def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device():
+    """kda_state_wide when sequences x heads x value blocks give >= 1 program per compute unit (16-bit inputs, or
+    the interpreter), else kda_state; both configs give the reference's output (the many-sequence PREFILL_CASES
+    run the wide one under the interpreter)."""
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+    from kernels.triton.tuning_ops import compute_units
+    num_heads, k_dim, v_dim = 2, 16, 32
+    gate = _gate("lower_bound", num_heads, k_dim, False)
+    wide, narrow = kernel_config("kda_state_wide"), kernel_config("kda_state")
+    assert wide.block_v > narrow.block_v
+    enough = -(-compute_units(DEVICE) // num_heads)               # sequences that fill the device at one block
+    # float32 on a real GPU always keeps kda_state (shared memory); the interpreter has no such limit
+    wide_ok = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    for num_seqs, expected in ((1, narrow), (enough - 1, narrow), (enough, wide if wide_ok else narrow)):
+        lengths = [3] * num_seqs
+        inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
+        state = torch.zeros(num_seqs, num_heads, v_dim, k_dim, device=DEVICE)
+        launch, result = prepare_kda_prefill(**inputs, gate=gate, cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+                                             state=state, slot_ids=torch.arange(num_seqs, device=DEVICE),
+                                             has_initial_state=torch.zeros(num_seqs, dtype=torch.bool,
+                                                                           device=DEVICE), scale=0.5)
+        assert launch.state_config() == expected, num_seqs
+        launch.intra()
+        outputs = []
+        for config in (narrow, wide):
+            launch.state(config)
+            outputs.append(result.output.clone())
+        expected_out = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=_cu_seqlens(lengths).to(DEVICE),
+                                           state=torch.zeros(num_seqs, num_heads, v_dim, k_dim, dtype=torch.float64,
+                                                             device=DEVICE),
+                                           slot_ids=torch.arange(num_seqs, device=DEVICE),
+                                           has_initial_state=torch.zeros(num_seqs, dtype=torch.bool, device=DEVICE),
+                                           scale=0.5).output
+        for out in outputs:
+            torch.testing.assert_close(out.double(), expected_out, **KDA_OUT_TOL)
+
+
+@pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
+                         [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
+@pytest.mark.parametrize("split_pass", ["intra", "state", "both", "prefetch", "state+prefetch"])
+def test_split_passes_match_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong, split_pass):
+    """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split), the state pass with its outputs
+    from a parallel kernel (kda_chunk_output_kernel), or both, give the reference's outputs, states and
+    checkpoints, on both gate forms and with empty sequences in the batch. The same with the state pass loading
+    each chunk's inputs one step ahead (KernelConfig(prefetch=True)), alone and with the split state pass."""
+    import dataclasses
+
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
+        launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both", "state+prefetch"),
+                                         prefetch="prefetch" in split_pass))
+        return out
+
+    _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
