@@ -4,7 +4,7 @@
     python -m bench.kernel_resources --arch 100       # another NVIDIA target
 
 No GPU needed: Triton compiles for the target with the ptxas it ships, and the cuobjdump it ships reads the
-resource usage out of the cubin (kda_prep + kda_solve are the split intra pass, `KernelConfig.split`).
+resource usage out of the cubin.
 METHOD.md's first rule, "read what costs no device time", applied to the KDA
 prefill miss of issue 6: a kernel that spills lives on local-memory traffic, and the report says how much before
 any device call. What it cannot say is time; time comes from `bench.tune_prefill` on the GPU.
@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
-# kda_prep + kda_solve = the split intra pass; kda_state_split + kda_output = the split state pass;
 # kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
 # kda_segment_map + kda_segment_scan (+ kda_state per segment) = the segmented state pass (KernelConfig.segment_chunks)
-KERNELS = ("kda_intra", "kda_prep", "kda_solve", "kda_state", "kda_state_split", "kda_state_prefetch",
-           "kda_output", "kda_segment_map", "kda_segment_scan")
-STATE_KERNELS = ("kda_state", "kda_state_split", "kda_state_prefetch")
+KERNELS = ("kda_intra", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan")
+STATE_KERNELS = ("kda_state", "kda_state_prefetch")
 
 
 @dataclass(frozen=True)
@@ -56,27 +54,6 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "decay_ptr": "fp32"}
         scalars = {"lower_bound": "fp32"}
         consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
-    elif kernel == "kda_prep":
-        from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel as fn  # noqa: PLC0415
-        pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16", "a_log_ptr": "fp32",
-                    "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32", "qg_ptr": "bf16",
-                    "kd_ptr": "bf16", "decay_ptr": "fp32", "qn_ptr": "bf16", "kn_ptr": "bf16", "g_cum_ptr": "fp32",
-                    "kgb_ptr": "bf16"}
-        scalars = {"lower_bound": "fp32"}
-        consts = dict(H=12, K=128, BT=64, BK=128, FORM=1)
-    elif kernel == "kda_solve":
-        from kernels.triton.kda_chunk_split import kda_chunk_solve_kernel as fn  # noqa: PLC0415
-        pointers = {"v_ptr": "bf16", "beta_ptr": "bf16", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
-                    "qn_ptr": "bf16", "kn_ptr": "bf16", "g_cum_ptr": "fp32", "kgb_ptr": "bf16", "w_ptr": "bf16",
-                    "u_ptr": "bf16", "aqk_ptr": "bf16"}
-        scalars = {}
-        consts = dict(KDA_SHAPE, BVF=128, SUB=16, DENSE=True, PRECISION="tf32")
-    elif kernel == "kda_output":
-        from kernels.triton.kda_chunk_state import kda_chunk_output_kernel as fn  # noqa: PLC0415
-        pointers = {"qg_ptr": "bf16", "aqk_ptr": "bf16", "hs_ptr": "bf16", "un_ptr": "bf16", "o_ptr": "bf16",
-                    "chunk_start_ptr": "i32", "chunk_len_ptr": "i32"}
-        scalars = {"scale": "fp32"}
-        consts = dict(KDA_SHAPE, PRECISION="ieee")
     elif kernel == "kda_segment_map":
         from kernels.triton.kda_chunk_segments import kda_segment_map_kernel as fn  # noqa: PLC0415
         pointers = {"w_ptr": "bf16", "u_ptr": "bf16", "kd_ptr": "bf16", "decay_ptr": "fp32",
@@ -94,10 +71,10 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
         pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
                         cu_seqlens_ptr="i32", seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
-                        ckpt_ptr="fp32", seq_ckpt_ptr="i32", hs_ptr="bf16", un_ptr="bf16")
+                        ckpt_ptr="fp32", seq_ckpt_ptr="i32")
         scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
         consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee",
-                      STORE_H=kernel == "kda_state_split", PREFETCH=kernel == "kda_state_prefetch")
+                      PREFETCH=kernel == "kda_state_prefetch")
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     names = fn.arg_names
@@ -119,7 +96,7 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
     consts["BT"] = chunk
-    if kernel in (*STATE_KERNELS, "kda_output", "kda_segment_scan"):
+    if kernel in (*STATE_KERNELS, "kda_segment_scan"):
         consts["BV"] = block_v or 16
     if kernel == "kda_segment_map":             # block_v stands for its column block of [T | b]
         consts["BC"] = block_v or 16
@@ -142,11 +119,8 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
 
 
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
-                   ("kda_prep", 4, 1, None), ("kda_prep", 8, 1, None),
-                   ("kda_solve", 4, 1, None), ("kda_solve", 8, 1, None), ("kda_solve", 16, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
-                   ("kda_state_split", 4, 2, 16), ("kda_state_split", 4, 2, 64), ("kda_state_prefetch", 4, 2, 16),
-                   ("kda_state_prefetch", 4, 1, 64), ("kda_output", 4, 1, 64), ("kda_segment_map", 4, 2, 16),
+                   ("kda_state_prefetch", 4, 2, 16), ("kda_state_prefetch", 4, 1, 64), ("kda_segment_map", 4, 2, 16),
                    ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16))
 
 

@@ -7,14 +7,13 @@ kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (paral
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
 shapes but the 128K one (32K has the same form), this times the whole op, each pass alone with the table configs,
 and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for. Then each pass is
-swept on its own over (num_warps, num_stages), for `intra` one kernel or two (split), for `state` the value block,
-whether the outputs come from a separate parallel kernel (split), whether each chunk's loads are issued a step
-ahead (prefetch) and whether the chunks run as parallel segments (segment_chunks). Every trial first runs on
-NaN-filled workspace and outputs, and the op's output and final states are checked against the float64 reference
-(bench/cases_kda); only
-a config that compiled and passed is timed (do_bench median, the sweep's short budget). Configs past the time budget
-are listed as skipped. Results: tune-prefill-<device>.json and .md in --out (else $OUT, else bench/results), with
-the best config of each pass per shape and chunk size (the table is `_NVIDIA` in kernels/triton/tuning.py)."""
+swept on its own over (num_warps, num_stages), for `state` also the value block, whether each chunk's loads are
+issued a step ahead (prefetch) and whether the chunks run as parallel segments (segment_chunks). Every trial first
+runs on NaN-filled workspace and outputs, and the op's output and final states are checked against the float64
+reference (bench/cases_kda); only a config that compiled and passed is timed (do_bench median, the sweep's short
+budget). Configs past the time budget are listed as skipped. Results: tune-prefill-<device>.json and .md in --out
+(else $OUT, else bench/results), with the best config of each pass per shape and chunk size (the table is
+`_NVIDIA` in kernels/triton/tuning.py)."""
 from __future__ import annotations
 
 import argparse
@@ -47,24 +46,22 @@ from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
 SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
-# (warps, stages, split) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks
-# 4 warps in one kernel won everywhere (0.79 ms against 1.35 on 8 and 0.96 split); 16 warps and the split form on
-# 8 or 16 warps never won at either chunk size, so the grid now looks around the winner instead.
-# Also tried at e0051a0 and dropped (bench/README.md): the pass over channel tiles, a ptxas register cap, 2 warps.
-INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (4, 1, True))
-# (block_v, warps, stages, split, prefetch, segment_chunks) of the state pass, the untimed segmented forms first (a
-# budget cut loses the tail). Left out after the 2026-11-29 sweeps (tune-prefill-*-nvidia-h200.md): (16, 4, 1),
-# (32, 4, 1) and (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best,
-# and the split form never won (it was aimed at B=1, where it lost 1.86 against 1.46 ms at 32-token chunks).
-STATE_GRID = (tuple((block_v, warps, 2, False, True, segment) for segment in (16, 32, 64)
+# (warps, stages) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks 4 warps
+# won everywhere (0.79 ms against 1.35 on 8); 16 warps never won at either chunk size. Tried and dropped
+# (bench/README.md): the pass as two kernels (0.96 ms), over channel tiles, with a register cap, on 2 warps.
+INTRA_GRID = ((4, 1), (4, 2), (8, 1))
+# (block_v, warps, stages, prefetch, segment_chunks) of the state pass, the untimed segmented forms first (a budget
+# cut loses the tail). Left out after the 2026-11-29 sweeps (tune-prefill-*-nvidia-h200.md): (16, 4, 1), (32, 4, 1)
+# and (32, 8, 1) gave WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best, and the
+# split form (outputs from a parallel kernel) never won: it lost 1.86 against 1.46 ms at B=1, its target.
+STATE_GRID = (tuple((block_v, warps, 2, True, segment) for segment in (16, 32, 64)
                     for block_v, warps in ((16, 4), (32, 4)))
-              + tuple((block_v, warps, stages, False, True, 0) for block_v, warps, stages in
+              + tuple((block_v, warps, stages, True, 0) for block_v, warps, stages in
                       ((16, 4, 2), (16, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)))
-              + ((16, 4, 2, False, False, 0), (64, 4, 1, False, False, 0), (64, 4, 2, False, False, 0)))
+              + ((16, 4, 2, False, 0), (64, 4, 1, False, 0), (64, 4, 2, False, 0)))
 PASSES = ("intra", "state")
-SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, True))
-SMOKE_STATE_GRID = ((8, 1, 1, False, False, 0), (16, 1, 1, True, False, 0), (8, 1, 1, False, True, 0),
-                    (8, 1, 1, False, True, 2))
+SMOKE_INTRA_GRID = ((1, 1), (2, 1))
+SMOKE_STATE_GRID = ((8, 1, 1, False, 0), (16, 1, 1, False, 0), (8, 1, 1, True, 0), (8, 1, 1, True, 2))
 
 
 @dataclasses.dataclass
@@ -82,14 +79,14 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra, state = kernel_config("kda_intra"), kernel_config("kda_state")
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
-    return ([dataclasses.replace(intra, num_warps=w, num_stages=s, split=split) for w, s, split in intra_grid],
-            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, split=split, prefetch=prefetch,
-                                 segment_chunks=segment) for b, w, s, split, prefetch, segment in state_grid])
+    return ([dataclasses.replace(intra, num_warps=w, num_stages=s) for w, s in intra_grid],
+            [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, prefetch=prefetch,
+                                 segment_chunks=segment) for b, w, s, prefetch, segment in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
-    keys = ("num_warps", "num_stages", "split", "solve_precision") if kind == "intra" else (
-        "block_v", "num_warps", "num_stages", "split", "prefetch", "segment_chunks")
+    keys = ("num_warps", "num_stages", "solve_precision") if kind == "intra" else (
+        "block_v", "num_warps", "num_stages", "prefetch", "segment_chunks")
     return {key: getattr(config, key) for key in keys}
 
 

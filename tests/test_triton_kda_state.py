@@ -1,4 +1,4 @@
-"""The forms of the Triton KDA state pass (table, wide blocks, prefetch, split, segmented), the vendor tables'
+"""The forms of the Triton KDA state pass (table, wide blocks, prefetch, segmented), the vendor tables'
 entries, and the state carried from chunk to chunk on a long-memory gate, each against the float64 reference
 (set-up in kda_helpers)."""
 from __future__ import annotations
@@ -52,7 +52,7 @@ LONG_MEMORY_CASES = [(16, [100, 0, 37], 0), (32, [130, 70], 32), (16, [75], 24)]
 
 
 @pytest.mark.parametrize("chunk_size,lengths,interval", LONG_MEMORY_CASES)
-@pytest.mark.parametrize("variant", ["table", "prefetch", "split", "segments of 1", "segments of 3"])
+@pytest.mark.parametrize("variant", ["table", "prefetch", "segments of 1", "segments of 3"])
 def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths, interval, variant):
     """Every form of the state pass, on a gate that keeps the state for hundreds of tokens: the state handed from
     chunk to chunk (and from segment to segment) is what the outputs depend on here."""
@@ -64,7 +64,7 @@ def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths
         launch, out = prepare_kda_prefill(**kwargs)
         launch.intra()
         config = launch.state_config()
-        changes = {"table": {}, "prefetch": {"prefetch": not config.prefetch}, "split": {"split": True},
+        changes = {"table": {}, "prefetch": {"prefetch": not config.prefetch},
                    "segments of 1": {"segment_chunks": 1}, "segments of 3": {"segment_chunks": 3}}[variant]
         launch.state(dataclasses.replace(config, **changes))
         return out
@@ -168,21 +168,20 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
 
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
                          [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
-@pytest.mark.parametrize("split_pass", ["intra", "state", "both", "prefetch", "state+prefetch"])
-def test_split_passes_match_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong, split_pass):
-    """KernelConfig(split=True): the intra pass as two kernels (kda_chunk_split), the state pass with its outputs
-    from a parallel kernel (kda_chunk_output_kernel), or both, give the reference's outputs, states and
-    checkpoints, on both gate forms and with empty sequences in the batch. The same with the state pass loading
-    each chunk's inputs one step ahead (KernelConfig(prefetch=True)), alone and with the split state pass."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_state_pass_with_and_without_prefetch_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval,
+                                                                strong, prefetch):
+    """The state pass loading each chunk's inputs one step ahead (KernelConfig(prefetch=True), the table's) or in
+    the step itself gives the reference's outputs, states and checkpoints, on both gate forms and with empty
+    sequences in the batch."""
     import dataclasses
 
     from kernels.triton.kda_prefill import prepare_kda_prefill
 
     def run(**kwargs):
         launch, out = prepare_kda_prefill(**kwargs)
-        launch.intra(dataclasses.replace(kernel_config("kda_intra"), split=split_pass in ("intra", "both")))
-        launch.state(dataclasses.replace(launch.state_config(), split=split_pass in ("state", "both", "state+prefetch"),
-                                         prefetch="prefetch" in split_pass))
+        launch.intra()
+        launch.state(dataclasses.replace(launch.state_config(), prefetch=prefetch))
         return out
 
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)

@@ -86,9 +86,3 @@ def test_passes_limits_the_sweep_but_both_passes_are_still_timed(tmp_path):
         assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
     with pytest.raises(SystemExit, match="choose from intra, state"):
         tune_prefill.run(["--smoke", "--passes", "gate"])
-
-
-def test_the_intra_sweep_includes_the_split_pass(tmp_path):
-    result = _run(tmp_path, "--passes", "intra")
-    split = [t for t in result["trials"] if t["kernel"] == "intra" and t["config"]["split"]]
-    assert split and all(t["status"] == "ok" and t["ms"] > 0 for t in split)

@@ -122,7 +122,7 @@ def _unit_lower_inverse(a, rows, BT: tl.constexpr, PRECISION: tl.constexpr):
 def _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk, i_h, H: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr):
     """Where the rows of one (chunk, head) program live in [T, H, K]: (length, rows, cols_k, row_ok, head_row,
-    mask_k, offs_k). Shared by every per-chunk KDA kernel (intra, split prep/solve, split outputs)."""
+    mask_k, offs_k). Shared by the per-chunk KDA kernels."""
     start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
     length = tl.load(chunk_len_ptr + i_chunk)
     rows = tl.arange(0, BT)

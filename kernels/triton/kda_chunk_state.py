@@ -15,13 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton.kda_chunk_intra import _chunk_rows
-
 
 @triton.jit
 def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
                 chunk_start_ptr, chunk_len_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, STORE_H: tl.constexpr, AHEAD: tl.constexpr):
+                BT: tl.constexpr, AHEAD: tl.constexpr):
     """Every input of one chunk's step: (start, length, W, Qg, Kd, U0, Aqk, exp(G_last)). AHEAD (the prefetching
     loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0)."""
     if AHEAD:
@@ -38,16 +36,10 @@ def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
     offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
     w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
-    if STORE_H:                                                             # Qg and Aqk: the output kernel's
-        qg = tl.zeros_like(w)
-    else:
-        qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
+    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
     kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
     u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
-    if STORE_H:
-        aqk = tl.zeros([BT, BT], dtype=w.dtype)
-    else:
-        aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
+    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
     if AHEAD:
         decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0)  # [BK]
     else:
@@ -58,11 +50,11 @@ def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_
 @triton.jit
 def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                 start, length, w, qg, kd, u0, aqk, decay,
-                o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr, STORE_H: tl.constexpr):
-    """One chunk of one sequence from its loaded inputs (`_chunk_load`): writes O for this value block (or, with
-    STORE_H, the state entering the chunk and U for `kda_chunk_output_kernel`), returns the state after it."""
+                PRECISION: tl.constexpr):
+    """One chunk of one sequence from its loaded inputs (`_chunk_load`): writes O for this value block, returns
+    the state after the chunk."""
     k_ok = cols_k < K
     v_ok = cols_v < V
     mask_h = k_ok[:, None] & v_ok[None, :]
@@ -74,15 +66,9 @@ def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_of
 
     h_in = h.to(DOT_DTYPE)
     u = u0 - tl.dot(w, h_in, input_precision=PRECISION)                   # [BT, BV]
-    if STORE_H:
-        # [num_chunks, H, K, V] in the workspace dtype: exactly the operand the fused product would use
-        tl.store(hs_ptr + ((i_chunk * H + i_h) * K + cols_k[:, None]).to(tl.int64) * V + cols_v[None, :], h_in,
-                 mask=mask_h)
-        tl.store(un_ptr + offs_v, u.to(DOT_DTYPE), mask=mask_v)
-    else:
-        o = tl.dot(qg, h_in, input_precision=PRECISION)                   # [BT, BV]
-        o += tl.dot(aqk, u.to(DOT_DTYPE), input_precision=PRECISION)
-        tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)
+    o = tl.dot(qg, h_in, input_precision=PRECISION)                       # [BT, BV]
+    o += tl.dot(aqk, u.to(DOT_DTYPE), input_precision=PRECISION)
+    tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)
     h = decay[:, None] * h + tl.dot(tl.trans(kd), u.to(DOT_DTYPE), input_precision=PRECISION)  # [BK, BV]
 
     if CHECKPOINTS:
@@ -104,10 +90,9 @@ def kda_chunk_state_kernel(
         cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,   # int32 tables
         ckpt_ptr, seq_ckpt_ptr, ckpt_interval,                           # [N, H, V, K] f32, int32 [B + 1]
         scale,
-        hs_ptr, un_ptr,                                                  # STORE_H: [chunks, H, K, V], [T, H, V]
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, STORE_H: tl.constexpr, PREFETCH: tl.constexpr):
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """PREFETCH: each step first issues the loads of the next chunk (into registers, carried by the loop), so
     their latency overlaps this chunk's products; the chunk table lookup makes every load address depend on a
     load, which the software pipeliner (num_stages) cannot run ahead on its own."""
@@ -133,7 +118,7 @@ def kda_chunk_state_kernel(
     if PREFETCH:
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, True)
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:                       # placeholders of the loop-carried inputs: every iteration loads its own chunk
         DOT_DTYPE = w_ptr.dtype.element_ty
         start = first_chunk.to(tl.int64) * 0
@@ -152,16 +137,16 @@ def kda_chunk_state_kernel(
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
-                H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H, PREFETCH)
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
-                H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H, PREFETCH)
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
 
@@ -169,49 +154,21 @@ def kda_chunk_state_kernel(
 @triton.jit
 def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, hs_ptr, un_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr, STORE_H: tl.constexpr, PREFETCH: tl.constexpr):
+                PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One loop iteration: step chunk i_chunk with its inputs (loaded one iteration earlier with PREFETCH, else
     here) and return the new state with the inputs of chunk i_chunk + 1."""
     if PREFETCH:
         nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
-                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, True)
+                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, STORE_H, False)
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, False)
     h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                     start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
-                    hs_ptr, un_ptr, H, K, V, BT, CHECKPOINTS, PRECISION, STORE_H)
+                    H, K, V, BT, CHECKPOINTS, PRECISION)
     if PREFETCH:
         start, length, w, qg, kd, u0, aqk, decay = nxt
     return h, start, length, w, qg, kd, u0, aqk, decay
-
-
-@triton.jit
-def kda_chunk_output_kernel(
-        qg_ptr, aqk_ptr, hs_ptr, un_ptr, o_ptr, chunk_start_ptr, chunk_len_ptr, scale,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    """O = scale (Qg S0^T + Aqk U) for one (chunk, head, value block), in parallel over all of them, from the
-    states and U that the state pass stored with STORE_H (the split state pass, `KernelConfig.split`): the
-    sequential loop then carries two products per chunk instead of four."""
-    i_chunk = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
-    length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
-                                                                         i_h, H, K, BT, BK)
-    cols_v = i_v * BV + tl.arange(0, BV)
-    k_ok = cols_k < K
-    v_ok = cols_v < V
-    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
-    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
-    h_in = tl.load(hs_ptr + ((i_chunk * H + i_h) * K + cols_k[:, None]).to(tl.int64) * V + cols_v[None, :],
-                   mask=k_ok[:, None] & v_ok[None, :], other=0.0)       # [BK, BV]
-    offs_v = head_row[:, None] * V + cols_v[None, :]
-    mask_v = row_ok[:, None] & v_ok[None, :]
-    u = tl.load(un_ptr + offs_v, mask=mask_v, other=0.0)                  # [BT, BV]
-    o = tl.dot(qg, h_in, input_precision=PRECISION)
-    o += tl.dot(aqk, u, input_precision=PRECISION)
-    tl.store(o_ptr + offs_v, (scale * o).to(o_ptr.dtype.element_ty), mask=mask_v)

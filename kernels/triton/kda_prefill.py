@@ -17,8 +17,7 @@ from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
 from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
-from kernels.triton.kda_chunk_split import kda_chunk_prep_kernel, kda_chunk_solve_kernel
-from kernels.triton.kda_chunk_state import kda_chunk_output_kernel, kda_chunk_state_kernel
+from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
@@ -234,24 +233,18 @@ class PrefillLaunch:
         self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
                                  device=device)                                # exp(G_last)
         self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
-        self._scratch: tuple[torch.Tensor, ...] | None = None          # split intra pass only, made on first use
-        self._state_scratch: tuple[torch.Tensor, ...] | None = None    # split state pass only, made on first use
 
     def _precision(self, config: KernelConfig) -> str:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
         return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
 
     def intra(self, config: KernelConfig | None = None) -> None:
-        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace, in one
-        kernel or as two (config.split, kda_chunk_split)."""
+        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace."""
         if self.num_chunks == 0:
             return
         config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
         dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
-        if config.split:
-            self._intra_split(config, sub_chunk, dense)
-            return
         kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
@@ -259,27 +252,6 @@ class PrefillLaunch:
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
-
-    def _intra_split(self, config: KernelConfig, sub_chunk: int, dense: bool) -> None:
-        """Pass 1 as two kernels (kda_chunk_split): prep writes Qg, Kd, exp(G_last) and scratch, solve the rest."""
-        if self._scratch is None:
-            # normalised q and k, k exp(G) beta (workspace dtype) and G (float32), each [T, H, K]
-            self._scratch = (torch.empty_like(self.w), torch.empty_like(self.w), torch.empty_like(self.w),
-                             torch.empty(self.w.shape, dtype=torch.float32, device=self.w.device))
-        qn, kn, kgb, g_cum = self._scratch
-        grid = (self.num_chunks, self.num_heads)
-        block_k = pow2_at_least(self.k_dim)
-        kda_chunk_prep_kernel[grid](
-            self.q, self.k, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
-            self.plan.chunk_len, self.qg, self.kd, self.decay, qn, kn, g_cum, kgb, float(self.gate.lower_bound),
-            H=self.num_heads, K=self.k_dim, BT=self.chunk_size, BK=block_k, FORM=self.form,
-            num_warps=config.num_warps, num_stages=config.num_stages)
-        kda_chunk_solve_kernel[grid](
-            self.v, self.beta_logits, self.plan.chunk_start, self.plan.chunk_len, qn, kn, g_cum, kgb,
-            self.w, self.u0, self.aqk,
-            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=block_k,
-            BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, DENSE=dense, PRECISION=self._precision(config),
-            num_warps=config.num_warps, num_stages=config.num_stages)
 
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at
@@ -308,46 +280,29 @@ class PrefillLaunch:
     def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
 
-        config.split: the sequential loop only carries the state (and stores it, per chunk, with U), and
-        `kda_chunk_output_kernel` forms the outputs in parallel over chunks afterwards.
         config.segment_chunks: the chunks run as segments of at least that many, in parallel
         (`kda_chunk_segments`), each from the state entering it."""
         config = config or self.state_config()
         block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
-        hs = un = self.output                                          # not touched unless config.split
-        if config.split:
-            if self._state_scratch is None:
-                # the state entering each chunk [chunks, H, K, V] and U [T, H, V], in the workspace dtype
-                self._state_scratch = (
-                    torch.empty(self.num_chunks, self.num_heads, self.k_dim, self.v_dim, dtype=self.work_dtype,
-                                device=self.w.device),
-                    torch.empty_like(self.u0))
-            hs, un = self._state_scratch
         if config.segment_chunks:
-            self._state_segmented(config, block_v, hs, un)
+            self._state_segmented(config, block_v)
         else:
-            self._state_kernel(config, block_v, hs, un, self.num_seqs, self.state_tensor, self.plan.slots,
-                               self.has_init, self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
-        if config.split and self.num_chunks > 0:
-            block_out = min(64, pow2_at_least(self.v_dim))
-            kda_chunk_output_kernel[(self.num_chunks, self.num_heads, triton.cdiv(self.v_dim, block_out))](
-                self.qg, self.aqk, hs, un, self.output, self.plan.chunk_start, self.plan.chunk_len, self.scale,
-                H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
-                BV=block_out, PRECISION=self._precision(config), num_warps=4)
+            self._state_kernel(config, block_v, self.num_seqs, self.state_tensor, self.plan.slots, self.has_init,
+                               self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
 
-    def _state_kernel(self, config: KernelConfig, block_v: int, hs, un, num_seqs: int, state, slots, has_init,
-                      bos, seq_chunk, seq_ckpt) -> None:
+    def _state_kernel(self, config: KernelConfig, block_v: int, num_seqs: int, state, slots, has_init, bos,
+                      seq_chunk, seq_ckpt) -> None:
         """kda_chunk_state_kernel over `num_seqs` runs of chunks (the sequences, or segments of them)."""
         kda_chunk_state_kernel[(triton.cdiv(self.v_dim, block_v), self.num_heads, num_seqs)](
             self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, state, state.stride(0), slots,
             has_init, bos, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, seq_ckpt,
-            max(self.checkpoint_interval, 1), self.scale, hs, un,
+            max(self.checkpoint_interval, 1), self.scale,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
-            PRECISION=self._precision(config), STORE_H=config.split, PREFETCH=config.prefetch,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            PRECISION=self._precision(config), PREFETCH=config.prefetch, num_warps=config.num_warps,
+            num_stages=config.num_stages)
 
-    def _state_segmented(self, config: KernelConfig, block_v: int, hs, un) -> None:
+    def _state_segmented(self, config: KernelConfig, block_v: int) -> None:
         """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's
         segments, then the state pass per segment; each sequence's final state is its last segment's."""
         segments = plan_segments(self.bounds, host_chunk_plan(self.bounds, self.chunk_size, self.checkpoint_interval),
@@ -368,7 +323,7 @@ class PrefillLaunch:
             seg_map, self.state_tensor, self.state_tensor.stride(0), self.plan.slots, self.has_init,
             segments.seq_seg, seg_state, H=heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
             INTERPRETED=is_interpreted(), PRECISION=self._precision(config), num_warps=8)
-        self._state_kernel(config, block_v, hs, un, segments.num_segments, seg_state, segments.seg_slots,
+        self._state_kernel(config, block_v, segments.num_segments, seg_state, segments.seg_slots,
                            segments.seg_has_init, segments.seg_bos, segments.seg_chunk, segments.seg_ckpt)
         self.state_tensor[self.plan.slots.long()] = seg_state[segments.last_seg.long()]
 

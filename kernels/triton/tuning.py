@@ -27,9 +27,6 @@ class KernelConfig:
     num_stages: int = 1
     # tl.dot input_precision for float32 operands (the triangular solve, W, U0) when the inputs are 16-bit.
     solve_precision: str = "ieee"
-    # kda_intra: the pass as two lighter kernels (kernels/triton/kda_chunk_split.py) instead of one that spills;
-    # kda_state*: outputs from a parallel kernel after the sequential loop (kda_chunk_output_kernel)
-    split: bool = False
     # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
     prefetch: bool = False
     # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off
