@@ -50,12 +50,13 @@ class HostChunkPlan(NamedTuple):
 
 
 def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, device: torch.device,
-                slots: list[int] | None = None) -> ChunkPlan:
+                slots: list[int] | None = None, host: HostChunkPlan | None = None) -> ChunkPlan:
     """Cut each sequence at multiples of chunk_size and of checkpoint_interval (so checkpoints end chunks).
 
-    Every table is built on the host and reaches the device in one non-blocking copy (`index_tables`).
+    Every table is built on the host (or comes as `host`, from `host_chunk_plan` with the same arguments) and
+    reaches the device in one non-blocking copy (`index_tables`).
     """
-    host = host_chunk_plan(bounds, chunk_size, checkpoint_interval)
+    host = host or host_chunk_plan(bounds, chunk_size, checkpoint_interval)
     slots = list(range(len(bounds) - 1)) if slots is None else slots
     return ChunkPlan(*index_tables([host.starts, host.lengths, host.seq_chunk, host.seq_ckpt, bounds, slots,
                                     host.ckpt_seq_ids, host.ckpt_lengths], device))
@@ -190,7 +191,8 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     num_tokens, num_heads, k_dim = q.shape
     device = q.device
     a_log, dt_bias = gate_tensors(gate, num_heads, k_dim, device)
-    plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device, slots)
+    host_plan = host_chunk_plan(bounds, chunk_size, checkpoint_interval)
+    plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device, slots, host_plan)
     output = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=v.dtype, device=device)
     ckpt_states = torch.empty(plan.ckpt_lengths.numel(), num_heads, v.shape[-1], k_dim, dtype=torch.float32,
                               device=device)
@@ -198,7 +200,7 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     if num_seqs == 0:
         return None, result
     return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, has_initial_state, state,
-                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size, bounds), result
+                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size, bounds, host_plan), result
 
 
 class PrefillLaunch:
@@ -211,11 +213,11 @@ class PrefillLaunch:
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
                  has_initial_state, state, output, ckpt_states, scale: float, checkpoint_interval: int,
-                 chunk_size: int, bounds: list[int]):
+                 chunk_size: int, bounds: list[int], host_plan: HostChunkPlan):
         self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
         self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
         self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
-        self.bounds = bounds
+        self.bounds, self.host_plan = bounds, host_plan            # the cut on the host (segmented pass)
         self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
         num_tokens, self.num_heads, self.k_dim = q.shape
         self.v_dim = v.shape[-1]
@@ -305,8 +307,8 @@ class PrefillLaunch:
     def _state_segmented(self, config: KernelConfig, block_v: int) -> None:
         """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's
         segments, then the state pass per segment; each sequence's final state is its last segment's."""
-        segments = plan_segments(self.bounds, host_chunk_plan(self.bounds, self.chunk_size, self.checkpoint_interval),
-                                 self.checkpoint_interval, config.segment_chunks, self.w.device)
+        segments = plan_segments(self.bounds, self.host_plan, self.checkpoint_interval, config.segment_chunks,
+                                 self.w.device)
         k_dim, v_dim, heads = self.k_dim, self.v_dim, self.num_heads
         block_k = pow2_at_least(k_dim)
         seg_map = torch.empty(segments.num_segments, heads, k_dim, k_dim + v_dim, dtype=torch.float32,
