@@ -216,6 +216,7 @@ def _decode_row(ctx: BenchContext, num_seqs: int, heads: int, dim: int) -> Row:
         timing = ctx.timer.time_graph(calls)
         row.ours_ms, row.timing = timing.ms, timing.method
 
+    anchor_calls: list = []
     row.anchor_unavailable = fla_unavailable(ctx)
     if not row.anchor_unavailable:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # noqa: PLC0415
@@ -229,6 +230,8 @@ def _decode_row(ctx: BenchContext, num_seqs: int, heads: int, dim: int) -> Row:
             for s, slots in zip(sets, slot_sets)]
         row.anchor_checks += _decode_checks(ctx, anchor_calls[0], sets[0], slot_sets[0], pool, gate, scale, "fla ")
         row.anchor_ms = ctx.timer.time_graph(anchor_calls).ms
+    if row.passed:
+        row.notes += "; " + ctx.timer.single_pass_note(calls, anchor_calls if row.anchor_passed else None)
     return row
 
 

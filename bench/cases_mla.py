@@ -65,6 +65,8 @@ def _decode_row(ctx: BenchContext, batch: int, seq_len: int, heads: int, latent:
         row.ours_ms, row.timing = timing.ms, timing.method
     if row.anchor_passed:
         row.anchor_ms = ctx.timer.time_graph([anchor]).ms
+    if row.passed:
+        row.notes += "; " + ctx.timer.single_pass_note([ours], [anchor] if row.anchor_passed else None)
     return row
 
 

@@ -6,12 +6,12 @@
 
 Every config is first run once and checked against the float64 torch reference (NaN-poisoned outputs); a config
 that fails is marked "wrong" and never timed, one that does not compile (OutOfResources, ...) is marked "error".
-The rest are timed like bench/kernels.py times decode: one CUDA graph over rotated input sets (>= 3x L2), do_bench
-median, but with a shorter do_bench budget so the whole sweep (compiles included) stays under ~4 minutes. Past the
-time budget the remaining configs are recorded as "skipped". MLA is searched in three rounds (tile shapes at two
-programs per SM, then the split multiplier for the three best tiles, then the LSE merge of the best one); KDA's
-grid is small enough to run whole. Results: tune-decode-<device>.json and .md, with the line to paste per shape
-class into kernels/triton/tuning_ops.py.
+The rest are timed like bench/kernels.py times decode: one CUDA graph of >= 8 calls cycling through rotated input
+sets (>= 3x L2), do_bench median, but with a shorter do_bench budget so the whole sweep (compiles included) stays
+under ~4 minutes. Past the time budget the remaining configs are recorded as "skipped". MLA is searched in three
+rounds (tile shapes at two programs per SM, then the split multiplier and policy for the three best tiles, then the
+LSE merge of the best one); KDA's grid is small enough to run whole. Results: tune-decode-<device>.json and .md,
+with the line to paste per shape class into kernels/triton/tuning_ops.py.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from kernels.triton.tuning_ops import (
 )
 
 OPS = ("mla", "kda")
-TIME_BUDGET_S = 210.0            # the whole sweep after imports; the lead's device call allows 240 s
+TIME_BUDGET_S = 270.0            # the whole sweep after imports (`scripts/gpu_next.sh decode` allows 330 s)
 KDA_SHARE = 0.25                 # KDA's share of the budget when both ops run (its grid is small)
 
 MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE = 12, 576, 512, 64
@@ -72,19 +72,25 @@ class Grid:
     mla_warps: tuple[int, ...]
     mla_stages: tuple[int, ...]
     mla_programs_per_unit: tuple[int, ...]
+    mla_split_policies: tuple[str, ...]
     mla_merges: tuple[tuple[int, int], ...]          # (merge_splits, merge_block_v)
     kda_batches: tuple[int, ...]
     kda_heads: int
     kda_dim: int
     kda_block_v: tuple[int, ...]
     kda_warps: tuple[int, ...]
+    kda_stream: tuple[bool, ...]
 
 
-GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page", "gather"), (32, 64), (4, 8),
-                (1, 2, 3, 4), (1, 2, 4, 8), ((1, 0), (4, 128), (8, 128), (16, 128), (8, 512)),
-                KDA_BATCHES, KDA_HEADS, KDA_DIM, (8, 16, 32, 64, 128), (1, 2, 4, 8))
-SMOKE_GRID = Grid(((2, 37), (1, 50)), 4, 48, 32, 16, ("page", "gather"), (16,), (1,), (1,), (1, 2),
-                  ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,))
+# The 2026-11-29 sweep (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
+# block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for "tma" tiles, the "waves" split
+# policy, narrower LSE merges and streaming KDA state.
+GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page", "tma"), (32, 64), (4, 8),
+                (2, 3, 4), (1, 2, 4), ("cover", "waves"),
+                ((1, 0), (8, 128), (16, 128), (16, 64), (32, 64), (32, 32), (64, 32)),
+                KDA_BATCHES, KDA_HEADS, KDA_DIM, (8, 16, 32), (1, 2), (False, True))
+SMOKE_GRID = Grid(((2, 37), (1, 50)), 4, 48, 32, 16, ("page", "gather", "tma"), (16,), (1,), (1,), (1, 2),
+                  ("cover", "waves"), ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,), (False, True))
 ROUND1_PROGRAMS_PER_UNIT, ROUND1_MERGE = 2, (8, 128)
 ROUND2_KEEP = 3
 
@@ -212,9 +218,10 @@ def _sweep_mla_shape(sweep: Sweep, grid: Grid, deadline: float, batch: int, seq_
                                                                       grid.mla_warps, grid.mla_stages)
              if variant == "gather" or page % block_n == 0]
     best_tiles = [MlaDecodeConfig(**t.config) for t in ranked(tiles)[:ROUND2_KEEP]]
-    splits = [attempt(config._replace(programs_per_unit=programs), "splits")
+    splits = [attempt(config._replace(programs_per_unit=programs, split_policy=policy), "splits")
               for config in best_tiles for programs in grid.mla_programs_per_unit
-              if programs != ROUND1_PROGRAMS_PER_UNIT]
+              for policy in grid.mla_split_policies
+              if (programs, policy) != (ROUND1_PROGRAMS_PER_UNIT, config.split_policy)]
     best = ranked(tiles + splits)[:1]
     if best:
         winner = MlaDecodeConfig(**best[0].config)
@@ -280,8 +287,8 @@ def _sweep_kda_shape(sweep: Sweep, grid: Grid, deadline: float, gate: KdaGatePar
     print(f"kda_decode {shape}: {num_sets} input set(s), {state_bytes / 1e6:.1f} MB of state traffic per call",
           flush=True)
     attempt(kda_decode_config(ctx.device, num_seqs), "default")
-    for block_v, warps in itertools.product(grid.kda_block_v, grid.kda_warps):
-        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps), "all")
+    for block_v, warps, stream in itertools.product(grid.kda_block_v, grid.kda_warps, grid.kda_stream):
+        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps, stream_state=stream), "all")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -9,6 +9,8 @@
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~3 min: conformance of the ops changed lately and the
 #                                                          #   whole-model check
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode     # ~4.5 min: bench.tune_decode (MLA "tma" tiles and the
+#                                                          #   "waves" split policy, KDA streaming state; new)
 # Extra arguments after `tune` go to bench.tune_prefill (e.g. --chunk-sizes 32 --budget-s 150).
 # carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape).
 # Reports land in $OUT; the device tool returns about eight files, so keep them few.
@@ -26,6 +28,10 @@ case "${1:-}" in
     echo "tune_prefill exit $? (124 = hit the limit; finished shapes are in \$OUT)"
     grep -v "^ *File\|^Traceback\|^    \|skipped" "$OUT/tune.log" | tail -n 40 | cut -c1-220
     ;;
+  decode)
+    timeout "${LIMIT:-330}" python3 -m bench.tune_decode --out "$OUT" "${@:2}" > "$OUT/tune_decode.log" 2>&1
+    echo "tune_decode exit $?"; grep -E "^(mla|kda)_decode .*\[" "$OUT/tune_decode.log" | cut -c1-260
+    ;;
   model)
     timeout "${LIMIT:-300}" python3 -m bench.model_bench --model k3-mini --out "$OUT" > "$OUT/model_bench.log" 2>&1
     echo "model_bench exit $?"; grep -E "^\[" "$OUT/model_bench.log" | tail -n 12; rm -f "$OUT/model_bench.log"
@@ -41,5 +47,5 @@ case "${1:-}" in
     echo "model_check exit $?"; tail -n 3 "$OUT/model.log"; rm -f "$OUT/model.log"
     ;;
   *)
-    echo "usage: bash scripts/gpu_next.sh tune|check|model" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu_next.sh tune|decode|check|model" >&2; exit 2 ;;
 esac

@@ -85,7 +85,7 @@ def _check_mla(result, expected):
 # prefetched page id is the same page half the time, and tiles start mid-page)
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("seq_lens", [[1], [16, 32, 48], [17, 1, 95], [33, 64]])
-@pytest.mark.parametrize("tiles", ["page", "gather"])
+@pytest.mark.parametrize("tiles", ["page", "gather", "tma"])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])             # 16: most splits lie past every request's end
 def test_mla_decode_tiles_match_reference(page_size, seq_lens, tiles, num_splits):
     q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case(seq_lens, page_size)
@@ -104,6 +104,40 @@ def test_mla_decode_merge_steps_match_reference(merge_splits, merge_block_v, v_d
     result = _poisoned(lambda: mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim,
                                                                  5, config))
     _check_mla(result, expected)
+
+
+# the copy engine takes at most 256 columns per box: 288 and 512 value columns come in two boxes (288: the second box
+# runs past D_latent, which the copy fills with zeros); 48: the rope box starts mid-row and runs past D_latent
+@pytest.mark.parametrize("v_dim,rope_dim", [(48, 8), (288, 16), (512, 64)])
+def test_mla_decode_tma_tiles_in_two_boxes_match_reference(v_dim, rope_dim):
+    q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([17, 1, 40], 16, v_dim, rope_dim)
+    config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma",
+                             merge_splits=2)
+    result = _poisoned(lambda: mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim,
+                                                                 3, config))
+    _check_mla(result, expected)
+
+
+def test_mla_decode_waves_policy_fills_whole_waves():
+    cpu = torch.device("cpu")                              # 4 compute units under the interpreter
+    # 3 requests, 8 slots: "cover" takes 3 splits (9 programs: a second wave of one), "waves" 2 (one full wave)
+    assert mla_decode.choose_num_splits(cpu, 3, 1, 4096, 16, 2, "cover") == 3
+    assert mla_decode.choose_num_splits(cpu, 3, 1, 4096, 16, 2, "waves") == 2
+    assert mla_decode.choose_num_splits(cpu, 1, 1, 4096, 16, 2, "waves") == 8
+    assert mla_decode.choose_num_splits(cpu, 1, 1, 100, 16, 2, "waves") == 2       # never a split under 4 tiles
+    assert mla_decode.choose_num_splits(cpu, 20, 1, 4096, 16, 2, "waves") == 1
+    with pytest.raises(ValueError, match="split_policy"):
+        mla_decode.choose_num_splits(cpu, 3, 1, 4096, 16, 2, "even")
+
+
+@pytest.mark.parametrize("split_policy", ["cover", "waves"])
+@pytest.mark.parametrize("programs_per_unit", [1, 3])
+def test_mla_decode_split_policies_match_reference(split_policy, programs_per_unit):
+    q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([70, 7, 33], 16)
+    config = mla_decode_config(q.device, q.shape[1], q.shape[0], 16)._replace(
+        programs_per_unit=programs_per_unit, split_policy=split_policy)
+    _check_mla(_poisoned(lambda: mla_decode.mla_decode(q, kv_cache, page_table, seq_lens_t, scale, v_dim, config)),
+               expected)
 
 
 @pytest.mark.parametrize("programs_per_unit", [1, 8])
@@ -130,10 +164,36 @@ def test_mla_decode_rejects_configs_it_cannot_run():
     with pytest.raises(ValueError, match="power of two"):
         mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
                                           page._replace(tiles="gather", merge_splits=3))
+    with pytest.raises(ValueError, match="divide the page size"):
+        mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
+                                          page._replace(tiles="tma"))
+    with pytest.raises(ValueError, match="split_policy"):
+        mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
+                                          page._replace(tiles="gather", split_policy="even"))
 
 
-@pytest.mark.parametrize("block_v,v_dim", [(1, 16), (4, 32), (8, 24), (64, 32)])   # 24: a partial value block
-def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
+@pytest.mark.parametrize("v_dim,rope_dim,expect_tma", [(32, 16, True), (30, 5, False)])   # 5: 140-byte rows
+def test_mla_decode_default_takes_tma_tiles_only_where_the_cache_allows(monkeypatch, v_dim, rope_dim, expect_tma):
+    q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([20, 3], 16, v_dim, rope_dim)
+    table = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma")
+    monkeypatch.setattr(mla_decode, "mla_decode_config", lambda *args: table)
+    launched = []
+    real_launch = mla_decode._launch_tma_split
+    monkeypatch.setattr(mla_decode, "_launch_tma_split", lambda *args: launched.append(1) or real_launch(*args))
+    _check_mla(_poisoned(lambda: mla_decode.mla_decode(q, kv_cache, page_table, seq_lens_t, scale, v_dim)), expected)
+    assert bool(launched) == expect_tma
+
+
+def test_mla_decode_tma_tiles_refuse_a_cache_the_copy_engine_cannot_address():
+    q, kv_cache, page_table, seq_lens_t, scale, v_dim, _ = _mla_case([20], 16, v_dim=30, rope_dim=5)   # 140-byte rows
+    config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma")
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1, config)
+
+
+@pytest.mark.parametrize("block_v,v_dim,stream", [(1, 16, False), (4, 32, False), (8, 24, False), (64, 32, False),
+                                                  (8, 24, True)])   # 24: a partial value block
+def test_kda_decode_value_blocks_match_reference(block_v, v_dim, stream):
     generator = _generator(block_v, v_dim)
     num_seqs, heads, k_dim, num_slots = 3, 2, 16, 7
     inputs = {"q": _randn(num_seqs, heads, k_dim, generator=generator),
@@ -151,7 +211,7 @@ def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
     expected = ref_kda.kda_decode(**{n: t.double() for n, t in inputs.items()}, gate=gate, state=expected_state,
                                   slot_ids=slot_ids, scale=0.3)
     out = _poisoned(lambda: kda_decode(**inputs, gate=gate, state=state, slot_ids=slot_ids, scale=0.3,
-                                       config=KdaDecodeConfig(block_v=block_v, num_warps=1)))
+                                       config=KdaDecodeConfig(block_v=block_v, num_warps=1, stream_state=stream)))
     torch.testing.assert_close(out.double(), expected, **KDA_OUT_TOL)
     torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
     untouched = torch.tensor([s not in (5, 0, 3) for s in range(num_slots)], device=DEVICE)

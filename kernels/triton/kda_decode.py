@@ -20,7 +20,7 @@ from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
                        state_ptr, state_stride, slot_ptr, o_ptr, scale, lower_bound,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, STREAM: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -42,12 +42,18 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     s_ptrs = state_ptr + slot * state_stride + i_h * V * K + cols_v[:, None] * K + cols_k[None, :]
     mask_s = v_ok[:, None] & k_ok[None, :]
-    s = tl.load(s_ptrs, mask=mask_s, other=0.0)                                       # [BV, BK]
+    if STREAM:      # read once, written once: ask L2 to evict these lines first
+        s = tl.load(s_ptrs, mask=mask_s, other=0.0, eviction_policy="evict_first")    # [BV, BK]
+    else:
+        s = tl.load(s_ptrs, mask=mask_s, other=0.0)
     s = s * tl.exp(tl.where(k_ok, g, 0.0))[None, :]
     delta = beta * (v - tl.sum(s * k[None, :], 1))                                   # [BV]
     s = s + delta[:, None] * k[None, :]
     o = scale * tl.sum(s * q[None, :], 1)                                            # [BV]
-    tl.store(s_ptrs, s, mask=mask_s)
+    if STREAM:
+        tl.store(s_ptrs, s, mask=mask_s, cache_modifier=".cs")
+    else:
+        tl.store(s_ptrs, s, mask=mask_s)
     tl.store(o_ptr + head_row * V + cols_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
@@ -80,5 +86,5 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     _kda_decode_kernel[grid](q, k, v, f, beta_logits, a_log, dt_bias, state, state.stride(0),
                              slot_ids.to(device=q.device, dtype=torch.int64), output, float(scale),
                              float(gate.lower_bound), H=num_heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
-                             FORM=form, num_warps=config.num_warps)
+                             FORM=form, STREAM=config.stream_state, num_warps=config.num_warps)
     return output

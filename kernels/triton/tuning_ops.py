@@ -89,9 +89,13 @@ class MlaDecodeConfig(NamedTuple):
                              # "gather": one page id per entry (any page size)
     merge_splits: int = 1    # LSE merge: splits combined per step (a power of two)
     merge_block_v: int = 0   # LSE merge: value columns per program (0: all of them)
+    split_policy: str = "cover"   # "cover": at least programs_per_unit programs per SM/CU; "waves": the split count
+                                  # whose programs finish soonest in whole waves (mla_decode.choose_num_splits)
 
 
-MLA_DECODE_TILES = ("page", "gather")
+# "tma": "page" tiles read through tensor descriptors by the copy engine (sm90+; needs block_n | page)
+MLA_DECODE_TILES = ("page", "gather", "tma")
+MLA_DECODE_SPLIT_POLICIES = ("cover", "waves")
 # Shape classes of the tuning tables: (largest batch of the class or None for "and above", class name).
 MLA_DECODE_BATCH_CLASSES = ((4, "batch 1-4"), (32, "batch 5-32"), (None, "batch 33+"))
 KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs 129-512"), (None, "seqs 513+"))
@@ -142,6 +146,7 @@ class KdaDecodeConfig(NamedTuple):
     """Launch parameters of KDA decode (kernels/triton/kda_decode.py): one program per (value block, head, seq)."""
     block_v: int             # value rows of the [V, K] state per program: V / block_v programs per (seq, head)
     num_warps: int
+    stream_state: bool = False   # state loads marked evict-first and stores streaming (.cs): each byte is used once
 
 
 # NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
