@@ -44,6 +44,7 @@ from kernels.triton.tuning_ops import (
     MlaDecodeConfig,
     kda_decode_config,
     mla_decode_config,
+    pdl_supported,
     shape_class,
 )
 
@@ -79,20 +80,21 @@ class Grid:
     kda_dim: int
     kda_block_v: tuple[int, ...]
     kda_warps: tuple[int, ...]
-    kda_stream: tuple[bool, ...]
 
 
-# The 2026-11-29 sweep (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
-# block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for "tma" tiles, the "waves" split
-# policy, narrower LSE merges and streaming KDA state.
-GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page", "tma"), (32, 64), (4, 8),
-                (2, 3, 4), (1, 2, 4), ("cover", "waves"),
-                ((1, 0), (8, 128), (16, 128), (16, 64), (32, 64), (32, 32), (64, 32)),
-                KDA_BATCHES, KDA_HEADS, KDA_DIM, (8, 16, 32), (1, 2), (False, True))
-SMOKE_GRID = Grid(((2, 37), (1, 50)), 4, 48, 32, 16, ("page", "gather", "tma"), (16,), (1,), (1,), (1, 2),
-                  ("cover", "waves"), ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,), (False, True))
+# The 2026-11-29 sweeps (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
+# 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the "waves" split policy,
+# wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits), block_v 4 and
+# programmatic dependent launch for KDA (sm90+).
+GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page",), (32, 64), (4, 8), (2, 3),
+                (1, 2, 4), ("cover", "waves"),
+                ((1, 0), (16, 128), (32, 64), (64, 32), (128, 32), (64, 16), (256, 16), (128, 16)),
+                KDA_BATCHES, KDA_HEADS, KDA_DIM, (4, 8, 16), (1, 2))
+SMOKE_GRID = Grid(((2, 37), (1, 50)), 4, 48, 32, 16, ("page", "gather"), (16,), (1,), (1,), (1, 2),
+                  ("cover", "waves"), ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,))
 ROUND1_PROGRAMS_PER_UNIT, ROUND1_MERGE = 2, (8, 128)
 ROUND2_KEEP = 3
+ROUND3_KEEP = 3                  # the merge round tries every merge on this many of the best configs so far
 
 
 @dataclass
@@ -222,12 +224,13 @@ def _sweep_mla_shape(sweep: Sweep, grid: Grid, deadline: float, batch: int, seq_
               for config in best_tiles for programs in grid.mla_programs_per_unit
               for policy in grid.mla_split_policies
               if (programs, policy) != (ROUND1_PROGRAMS_PER_UNIT, config.split_policy)]
-    best = ranked(tiles + splits)[:1]
-    if best:
-        winner = MlaDecodeConfig(**best[0].config)
+    # the merge's cost depends on the split count (B=1 x 128K: 0.101 ms with one split per step, 0.056 with 64), so
+    # the merges are tried on several configs, not only on the one that won with the round-1 merge
+    for trial in ranked(tiles + splits)[:ROUND3_KEEP]:
+        leader = MlaDecodeConfig(**trial.config)
         for merge_splits, merge_block_v in grid.mla_merges:
-            if (merge_splits, merge_block_v) != (winner.merge_splits, winner.merge_block_v):
-                attempt(winner._replace(merge_splits=merge_splits, merge_block_v=merge_block_v), "merge")
+            if (merge_splits, merge_block_v) != (leader.merge_splits, leader.merge_block_v):
+                attempt(leader._replace(merge_splits=merge_splits, merge_block_v=merge_block_v), "merge")
 
 
 # ----------------------------------------------------------------------------------------------------- KDA decode
@@ -287,8 +290,9 @@ def _sweep_kda_shape(sweep: Sweep, grid: Grid, deadline: float, gate: KdaGatePar
     print(f"kda_decode {shape}: {num_sets} input set(s), {state_bytes / 1e6:.1f} MB of state traffic per call",
           flush=True)
     attempt(kda_decode_config(ctx.device, num_seqs), "default")
-    for block_v, warps, stream in itertools.product(grid.kda_block_v, grid.kda_warps, grid.kda_stream):
-        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps, stream_state=stream), "all")
+    pdl = (False, True) if pdl_supported(ctx.device) else (False,)
+    for block_v, warps, launch_pdl in itertools.product(grid.kda_block_v, grid.kda_warps, pdl):
+        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps, pdl=launch_pdl), "all")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

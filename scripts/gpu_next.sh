@@ -9,8 +9,8 @@
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~3 min: conformance of the ops changed lately and the
 #                                                          #   whole-model check
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode     # ~4.5 min: bench.tune_decode (MLA "tma" tiles and the
-#                                                          #   "waves" split policy, KDA streaming state; new)
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode     # ~2 min: bench.tune_decode (MLA decode tiles, the
+#                                                          #   "waves" split policy and the LSE merge steps)
 # Extra arguments after `tune` go to bench.tune_prefill (e.g. --chunk-sizes 32 --budget-s 150).
 # carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape).
 # Reports land in $OUT; the device tool returns about eight files, so keep them few.

@@ -85,7 +85,7 @@ def _check_mla(result, expected):
 # prefetched page id is the same page half the time, and tiles start mid-page)
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("seq_lens", [[1], [16, 32, 48], [17, 1, 95], [33, 64]])
-@pytest.mark.parametrize("tiles", ["page", "gather", "tma"])
+@pytest.mark.parametrize("tiles", ["page", "gather"])
 @pytest.mark.parametrize("num_splits", [1, 3, 16])             # 16: most splits lie past every request's end
 def test_mla_decode_tiles_match_reference(page_size, seq_lens, tiles, num_splits):
     q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case(seq_lens, page_size)
@@ -103,18 +103,6 @@ def test_mla_decode_merge_steps_match_reference(merge_splits, merge_block_v, v_d
                              merge_splits=merge_splits, merge_block_v=merge_block_v)
     result = _poisoned(lambda: mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim,
                                                                  5, config))
-    _check_mla(result, expected)
-
-
-# the copy engine takes at most 256 columns per box: 288 and 512 value columns come in two boxes (288: the second box
-# runs past D_latent, which the copy fills with zeros); 48: the rope box starts mid-row and runs past D_latent
-@pytest.mark.parametrize("v_dim,rope_dim", [(48, 8), (288, 16), (512, 64)])
-def test_mla_decode_tma_tiles_in_two_boxes_match_reference(v_dim, rope_dim):
-    q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([17, 1, 40], 16, v_dim, rope_dim)
-    config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma",
-                             merge_splits=2)
-    result = _poisoned(lambda: mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim,
-                                                                 3, config))
     _check_mla(result, expected)
 
 
@@ -164,36 +152,13 @@ def test_mla_decode_rejects_configs_it_cannot_run():
     with pytest.raises(ValueError, match="power of two"):
         mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
                                           page._replace(tiles="gather", merge_splits=3))
-    with pytest.raises(ValueError, match="divide the page size"):
-        mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
-                                          page._replace(tiles="tma"))
     with pytest.raises(ValueError, match="split_policy"):
         mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1,
                                           page._replace(tiles="gather", split_policy="even"))
 
 
-@pytest.mark.parametrize("v_dim,rope_dim,expect_tma", [(32, 16, True), (30, 5, False)])   # 5: 140-byte rows
-def test_mla_decode_default_takes_tma_tiles_only_where_the_cache_allows(monkeypatch, v_dim, rope_dim, expect_tma):
-    q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([20, 3], 16, v_dim, rope_dim)
-    table = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma")
-    monkeypatch.setattr(mla_decode, "mla_decode_config", lambda *args: table)
-    launched = []
-    real_launch = mla_decode._launch_tma_split
-    monkeypatch.setattr(mla_decode, "_launch_tma_split", lambda *args: launched.append(1) or real_launch(*args))
-    _check_mla(_poisoned(lambda: mla_decode.mla_decode(q, kv_cache, page_table, seq_lens_t, scale, v_dim)), expected)
-    assert bool(launched) == expect_tma
-
-
-def test_mla_decode_tma_tiles_refuse_a_cache_the_copy_engine_cannot_address():
-    q, kv_cache, page_table, seq_lens_t, scale, v_dim, _ = _mla_case([20], 16, v_dim=30, rope_dim=5)   # 140-byte rows
-    config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="tma")
-    with pytest.raises(ValueError, match="16-byte boundaries"):
-        mla_decode.mla_decode_with_splits(q, kv_cache, page_table, seq_lens_t, scale, v_dim, 1, config)
-
-
-@pytest.mark.parametrize("block_v,v_dim,stream", [(1, 16, False), (4, 32, False), (8, 24, False), (64, 32, False),
-                                                  (8, 24, True)])   # 24: a partial value block
-def test_kda_decode_value_blocks_match_reference(block_v, v_dim, stream):
+@pytest.mark.parametrize("block_v,v_dim", [(1, 16), (4, 32), (8, 24), (64, 32)])   # 24: a partial value block
+def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
     generator = _generator(block_v, v_dim)
     num_seqs, heads, k_dim, num_slots = 3, 2, 16, 7
     inputs = {"q": _randn(num_seqs, heads, k_dim, generator=generator),
@@ -211,11 +176,21 @@ def test_kda_decode_value_blocks_match_reference(block_v, v_dim, stream):
     expected = ref_kda.kda_decode(**{n: t.double() for n, t in inputs.items()}, gate=gate, state=expected_state,
                                   slot_ids=slot_ids, scale=0.3)
     out = _poisoned(lambda: kda_decode(**inputs, gate=gate, state=state, slot_ids=slot_ids, scale=0.3,
-                                       config=KdaDecodeConfig(block_v=block_v, num_warps=1, stream_state=stream)))
+                                       config=KdaDecodeConfig(block_v=block_v, num_warps=1)))
     torch.testing.assert_close(out.double(), expected, **KDA_OUT_TOL)
     torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
     untouched = torch.tensor([s not in (5, 0, 3) for s in range(num_slots)], device=DEVICE)
     assert torch.equal(arena[untouched], before[untouched]) and torch.equal(arena[:, 0], before[:, 0])
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the refusal is for targets without programmatic launch")
+def test_kda_decode_refuses_pdl_where_it_cannot_launch_so():
+    q = torch.randn(1, 1, 16, device=DEVICE)
+    gate = KdaGateParams(torch.zeros(1, device=DEVICE), torch.zeros(16, device=DEVICE), "lower_bound", -5.0)
+    with pytest.raises(ValueError, match="programmatic"):
+        kda_decode(q, q, q, q, torch.zeros(1, 1, device=DEVICE), gate, torch.zeros(2, 1, 16, 16, device=DEVICE),
+                   torch.zeros(1, dtype=torch.int64, device=DEVICE), 1.0,
+                   KdaDecodeConfig(block_v=8, num_warps=1, pdl=True))
 
 
 def test_kda_decode_rejects_a_block_v_that_is_not_a_power_of_two():

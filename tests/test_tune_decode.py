@@ -36,9 +36,8 @@ def test_smoke_sweep_covers_every_shape_and_reports_default_and_best(tmp_path):
         assert best["ms"] == min(t["ms"] for t in mine)
     rounds = {t["round"] for t in result["trials"] if t["op"] == "mla_decode"}
     assert rounds == {"default", "tiles", "splits", "merge"}
-    assert {t["config"]["tiles"] for t in result["trials"] if t["op"] == "mla_decode"} == {"page", "gather", "tma"}
+    assert {t["config"]["tiles"] for t in result["trials"] if t["op"] == "mla_decode"} == {"page", "gather"}
     assert {t["config"]["split_policy"] for t in result["trials"] if t["round"] == "splits"} == {"cover", "waves"}
-    assert {t["config"]["stream_state"] for t in result["trials"] if t["op"] == "kda_decode"} == {False, True}
     markdown = next(tmp_path.glob("tune-decode-*.md")).read_text()
     assert '"batch 1-4": MlaDecodeConfig(' in markdown and '"seqs 1-16": KdaDecodeConfig(' in markdown
 
@@ -55,7 +54,7 @@ def test_wrong_configs_are_never_timed_nor_picked(tmp_path, monkeypatch):
     result = _run(tmp_path, "--only", "mla")
     gather = [t for t in result["trials"] if t["config"]["tiles"] == "gather"]
     assert gather and all(t["status"].startswith("wrong: output") and t["ms"] is None for t in gather)
-    assert all(row["best"]["config"]["tiles"] != "gather" for row in result["summary"])
+    assert all(row["best"]["config"]["tiles"] == "page" for row in result["summary"])
 
 
 def test_configs_that_raise_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
@@ -71,9 +70,7 @@ def test_configs_that_raise_are_recorded_and_the_sweep_goes_on(tmp_path, monkeyp
     failed = [t for t in result["trials"] if t["config"]["block_v"] < 16]
     assert failed and all(t["status"] == "error: RuntimeError: out of resources (simulated)" and t["ms"] is None
                           for t in failed)
-    errors = len(tune_decode.SMOKE_GRID.kda_stream)            # block_v 4, streamed or not
-    assert all(row["best"]["config"]["block_v"] >= 16 and row["counts"]["error"] == errors
-               for row in result["summary"])
+    assert all(row["best"]["config"]["block_v"] >= 16 and row["counts"]["error"] == 1 for row in result["summary"])
 
 
 def test_time_budget_skips_what_is_left(tmp_path):

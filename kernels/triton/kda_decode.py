@@ -13,14 +13,18 @@ import triton.language as tl
 from k3core.ops import KdaGateParams
 from kernels.triton.kda_gate import gate_form_id, gate_log_decay, gate_tensors
 from kernels.triton.tuning import pow2_at_least
-from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config
+from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config, pdl_supported
 
 
 @triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
                        state_ptr, state_stride, slot_ptr, o_ptr, scale, lower_bound,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, STREAM: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # launched as a programmatic dependent: wait here, before any load, until the previous kernel in the stream
+        # has finished and its writes are visible (nothing of ours overlaps it but the launch itself)
+        tl.extra.cuda.gdc_wait()
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -42,18 +46,12 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     s_ptrs = state_ptr + slot * state_stride + i_h * V * K + cols_v[:, None] * K + cols_k[None, :]
     mask_s = v_ok[:, None] & k_ok[None, :]
-    if STREAM:      # read once, written once: ask L2 to evict these lines first
-        s = tl.load(s_ptrs, mask=mask_s, other=0.0, eviction_policy="evict_first")    # [BV, BK]
-    else:
-        s = tl.load(s_ptrs, mask=mask_s, other=0.0)
+    s = tl.load(s_ptrs, mask=mask_s, other=0.0)                                       # [BV, BK]
     s = s * tl.exp(tl.where(k_ok, g, 0.0))[None, :]
     delta = beta * (v - tl.sum(s * k[None, :], 1))                                   # [BV]
     s = s + delta[:, None] * k[None, :]
     o = scale * tl.sum(s * q[None, :], 1)                                            # [BV]
-    if STREAM:
-        tl.store(s_ptrs, s, mask=mask_s, cache_modifier=".cs")
-    else:
-        tl.store(s_ptrs, s, mask=mask_s)
+    tl.store(s_ptrs, s, mask=mask_s)
     tl.store(o_ptr + head_row * V + cols_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
@@ -80,11 +78,15 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     config = config or kda_decode_config(q.device, num_seqs)
     if config.block_v < 1 or config.block_v & (config.block_v - 1):
         raise ValueError(f"kda_decode: block_v must be a power of two, got {config.block_v}")
+    if config.pdl and not pdl_supported(q.device):
+        raise ValueError("kda_decode: pdl needs an NVIDIA GPU of compute capability 9.0 or later (programmatic "
+                         "dependent launch); the tuning table never sets it elsewhere")
     block_k = pow2_at_least(k_dim)
     block_v = min(config.block_v, pow2_at_least(v_dim, floor=1))     # no tl.dot here: any power of two works
     grid = (triton.cdiv(v_dim, block_v), num_heads, num_seqs)
     _kda_decode_kernel[grid](q, k, v, f, beta_logits, a_log, dt_bias, state, state.stride(0),
                              slot_ids.to(device=q.device, dtype=torch.int64), output, float(scale),
                              float(gate.lower_bound), H=num_heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
-                             FORM=form, STREAM=config.stream_state, num_warps=config.num_warps)
+                             FORM=form, PDL=config.pdl, num_warps=config.num_warps,
+                             **({"launch_pdl": True} if config.pdl else {}))
     return output

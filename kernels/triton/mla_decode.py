@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from k3core.ops import MlaDecodeOut
 from kernels.triton.tuning_ops import (
     MLA_DECODE_SPLIT_POLICIES,
@@ -34,11 +32,9 @@ from kernels.triton.tuning_ops import (
     MlaDecodeConfig,
     compute_units,
     mla_decode_config,
-    target,
 )
 
 LN2 = math.log(2.0)
-TMA_BOX = 256                 # the widest box the tensor-memory copy engine takes along one dimension
 
 
 @triton.jit
@@ -56,15 +52,6 @@ def _attend_tile(q_value_part, q_rope_part, rows, row_mask, cols_v, v_mask, cols
     if HAS_ROPE:
         kv_rope_part = tl.load(rows[:, None] + cols_rope[None, :], mask=rope_tile_mask, other=0.0)  # [BLOCK_N, R]
         scores += tl.dot(q_rope_part, tl.trans(kv_rope_part), input_precision="ieee")
-    probs, new_max, rescale, denominator = _softmax_step(scores, row_mask, running_max, denominator, scale_log2,
-                                                         MASK_ROWS)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
-    return new_max, denominator, acc
-
-
-@triton.jit
-def _softmax_step(scores, row_mask, running_max, denominator, scale_log2, MASK_ROWS: tl.constexpr):
-    """Online softmax over one tile's raw scores [BLOCK_H, BLOCK_N]: (probs, new max, rescale, new denominator)."""
     if MASK_ROWS:
         scores = tl.where(row_mask[None, :], scores * scale_log2, float("-inf"))
     else:
@@ -72,7 +59,9 @@ def _softmax_step(scores, row_mask, running_max, denominator, scale_log2, MASK_R
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
     rescale = tl.exp2(running_max - new_max)
     probs = tl.exp2(scores - new_max[:, None])                                               # [BLOCK_H, BLOCK_N]
-    return probs, new_max, rescale, denominator * rescale + tl.sum(probs, axis=1)
+    denominator = denominator * rescale + tl.sum(probs, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
+    return new_max, denominator, acc
 
 
 @triton.jit
@@ -144,107 +133,6 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
 
 
 @triton.jit
-def _attend_tma_tile(q_first_t, q_second_t, q_rope_t, value_desc, rope_desc, row, row_mask, v_dim,
-                     running_max, denominator, acc_first_t, acc_second_t, scale_log2, BLOCK_N: tl.constexpr,
-                     VALUE_CHUNK: tl.constexpr, TWO_CHUNKS: tl.constexpr, HAS_ROPE: tl.constexpr,
-                     MASK_ROWS: tl.constexpr):
-    """One online-softmax step in transposed form, for one page-aligned tile brought in by the tensor-memory copy
-    engine: scores^T = KV q^T [BLOCK_N, BLOCK_H] and out^T += V^T p^T [VALUE_CHUNK, BLOCK_H], so that the tile
-    (BLOCK_N or VALUE_CHUNK rows) is the MMA's M side, read from shared memory as the copy left it, and the few heads
-    are its N side. The value columns come in one or two boxes (a box is at most 256 wide), the rope part from its
-    own descriptor. The copy cannot mask rows, so a partial tile's rows past the split are zeroed."""
-    kv_first = value_desc.load([row, 0])                                                   # [BLOCK_N, VALUE_CHUNK]
-    if MASK_ROWS:
-        kv_first = tl.where(row_mask[:, None], kv_first, 0.0)
-    scores = tl.dot(kv_first, q_first_t, input_precision="ieee")                          # [BLOCK_N, BLOCK_H]
-    if TWO_CHUNKS:
-        kv_second = value_desc.load([row, VALUE_CHUNK])
-        if MASK_ROWS:
-            kv_second = tl.where(row_mask[:, None], kv_second, 0.0)
-        scores += tl.dot(kv_second, q_second_t, input_precision="ieee")
-    if HAS_ROPE:
-        kv_rope_part = rope_desc.load([row, v_dim])                            # [BLOCK_N, BLOCK_R]; past D_latent: 0
-        scores += tl.dot(kv_rope_part, q_rope_t, input_precision="ieee")
-    if MASK_ROWS:
-        scores = tl.where(row_mask[:, None], scores * scale_log2, float("-inf"))
-    else:
-        scores = scores * scale_log2
-    new_max = tl.maximum(running_max, tl.max(scores, axis=0))                              # [BLOCK_H]
-    rescale = tl.exp2(running_max - new_max)
-    probs = tl.exp2(scores - new_max[None, :])                                             # [BLOCK_N, BLOCK_H]
-    denominator = denominator * rescale + tl.sum(probs, axis=0)
-    probs = probs.to(kv_first.dtype)
-    acc_first_t = acc_first_t * rescale[None, :] + tl.dot(tl.trans(kv_first), probs, input_precision="ieee")
-    if TWO_CHUNKS:
-        acc_second_t = acc_second_t * rescale[None, :] + tl.dot(tl.trans(kv_second), probs, input_precision="ieee")
-    return new_max, denominator, acc_first_t, acc_second_t
-
-
-@triton.jit
-def _mla_decode_split_tma_kernel(q_ptr, value_desc, rope_desc, page_table_ptr, seq_lens_ptr, mid_out_ptr, mid_lse_ptr,
-                                 q_batch_stride, q_head_stride, page_table_stride, page_rows,
-                                 mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
-                                 mid_lse_batch_stride, mid_lse_head_stride,
-                                 num_heads, v_dim, latent_dim, split_len, scale_log2, ln2,
-                                 PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 VALUE_CHUNK: tl.constexpr, TWO_CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-                                 HAS_ROPE: tl.constexpr):
-    """Stage 1 with "tma" tiles: `_mla_decode_split_kernel`'s "page" tiles (one page id per tile), each loaded through
-    tensor descriptors instead of per-row pointers, and computed transposed (see `_attend_tma_tile`). The descriptors
-    see the cache as rows of D_latent: page p starts at row p * page_rows (its stride in rows)."""
-    batch = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + batch)
-    split_start = split * split_len
-    if split_start >= seq_len:
-        return
-    split_end = tl.minimum(split_start + split_len, seq_len)
-
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                        # [BLOCK_H]
-    head_mask = heads < num_heads
-    cols_first = tl.arange(0, VALUE_CHUNK)
-    cols_second = VALUE_CHUNK + tl.arange(0, VALUE_CHUNK)
-    cols_rope = v_dim + tl.arange(0, BLOCK_R)
-    q_cols = q_ptr + batch * q_batch_stride + heads[None, :] * q_head_stride    # q^T: columns are heads
-    q_first_t = tl.load(q_cols + cols_first[:, None], mask=(cols_first < v_dim)[:, None] & head_mask[None, :],
-                        other=0.0)                                              # [VALUE_CHUNK, BLOCK_H]
-    q_second_t = tl.load(q_cols + cols_second[:, None], mask=(cols_second < v_dim)[:, None] & head_mask[None, :],
-                         other=0.0)
-    q_rope_t = tl.load(q_cols + cols_rope[:, None], mask=(cols_rope < latent_dim)[:, None] & head_mask[None, :],
-                       other=0.0)                                               # [BLOCK_R, BLOCK_H]
-
-    running_max = tl.full((BLOCK_H,), -3.0e38, tl.float32)
-    denominator = tl.zeros((BLOCK_H,), tl.float32)
-    acc_first_t = tl.zeros((VALUE_CHUNK, BLOCK_H), tl.float32)
-    acc_second_t = tl.zeros((VALUE_CHUNK, BLOCK_H), tl.float32)
-    row_pages = page_table_ptr + batch * page_table_stride
-    tile_rows = tl.arange(0, BLOCK_N)
-    whole_end = split_start + (split_end - split_start) // BLOCK_N * BLOCK_N   # split_start is a multiple of BLOCK_N
-    for n_start in range(split_start, whole_end, BLOCK_N):
-        row = tl.load(row_pages + n_start // PAGE_SIZE) * page_rows + n_start % PAGE_SIZE
-        running_max, denominator, acc_first_t, acc_second_t = _attend_tma_tile(
-            q_first_t, q_second_t, q_rope_t, value_desc, rope_desc, row, tile_rows < BLOCK_N, v_dim, running_max,
-            denominator, acc_first_t, acc_second_t, scale_log2, BLOCK_N, VALUE_CHUNK, TWO_CHUNKS, HAS_ROPE, False)
-    if whole_end < split_end:
-        row = tl.load(row_pages + whole_end // PAGE_SIZE) * page_rows + whole_end % PAGE_SIZE
-        running_max, denominator, acc_first_t, acc_second_t = _attend_tma_tile(
-            q_first_t, q_second_t, q_rope_t, value_desc, rope_desc, row, whole_end + tile_rows < split_end, v_dim,
-            running_max, denominator, acc_first_t, acc_second_t, scale_log2, BLOCK_N, VALUE_CHUNK, TWO_CHUNKS,
-            HAS_ROPE, True)
-
-    out_cols = (mid_out_ptr + batch * mid_out_batch_stride + heads[None, :] * mid_out_head_stride
-                + split * mid_out_split_stride)
-    tl.store(out_cols + cols_first[:, None], acc_first_t / denominator[None, :],
-             mask=(cols_first < v_dim)[:, None] & head_mask[None, :])
-    if TWO_CHUNKS:
-        tl.store(out_cols + cols_second[:, None], acc_second_t / denominator[None, :],
-                 mask=(cols_second < v_dim)[:, None] & head_mask[None, :])
-    lse = (running_max + tl.log2(denominator)) * ln2                            # natural log
-    tl.store(mid_lse_ptr + batch * mid_lse_batch_stride + heads * mid_lse_head_stride + split, lse, mask=head_mask)
-
-
-@triton.jit
 def _mla_decode_merge_kernel(mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                              mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
                              mid_lse_batch_stride, mid_lse_head_stride, out_batch_stride, out_head_stride,
@@ -296,28 +184,11 @@ def choose_num_splits(device: torch.device, batch: int, num_head_blocks: int, ca
     return min(candidates, key=lambda s: (triton.cdiv(requests * s, slots) / s, s))
 
 
-def tma_unfit(kv_cache: torch.Tensor, v_dim: int) -> str:
-    """Why "tma" tiles cannot read this cache ('' when they can): a copy descriptor needs 16-byte aligned rows and
-    base, and takes the value part in at most two 256-wide boxes."""
-    if target(kv_cache.device) == "amd":
-        return "no tensor-memory copy engine on this target"
-    if target(kv_cache.device) == "nvidia" and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
-        return "the tensor-memory copy engine needs sm90 or later"
-    row_bytes = [stride * kv_cache.element_size() for stride in kv_cache.stride()[:2]]
-    if any(b % 16 for b in row_bytes) or kv_cache.data_ptr() % 16:
-        return f"cache pages and rows must start on 16-byte boundaries (strides {row_bytes} bytes)"
-    if kv_cache.stride(0) % kv_cache.stride(1) or kv_cache.stride(1) < kv_cache.shape[2]:
-        return f"pages must lie a whole number of rows apart in rows of D_latent (strides {kv_cache.stride()[:2]})"
-    if v_dim > 2 * TMA_BOX:
-        return f"v_dim {v_dim} > {2 * TMA_BOX}"
-    return ""
-
-
 def _check_config(config: MlaDecodeConfig, page_size: int) -> None:
     if config.tiles not in MLA_DECODE_TILES:
         raise ValueError(f"mla_decode: unknown tiles {config.tiles!r}; choose one of: {', '.join(MLA_DECODE_TILES)}")
-    if config.tiles in ("page", "tma") and page_size % config.block_n != 0:
-        raise ValueError(f"mla_decode: '{config.tiles}' tiles need block_n ({config.block_n}) to divide the page size "
+    if config.tiles == "page" and page_size % config.block_n != 0:
+        raise ValueError(f"mla_decode: 'page' tiles need block_n ({config.block_n}) to divide the page size "
                          f"({page_size}); use 'gather' tiles or a smaller block_n")
     if config.split_policy not in MLA_DECODE_SPLIT_POLICIES:
         raise ValueError(f"mla_decode: unknown split_policy {config.split_policy!r}; choose one of: "
@@ -345,8 +216,6 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
         return MlaDecodeOut(out, lse)
     config = config or mla_decode_config(q.device, num_heads, batch, page_size)
     _check_config(config, page_size)
-    if config.tiles == "tma" and (unfit := tma_unfit(kv_cache, v_dim)):
-        raise ValueError(f"mla_decode: 'tma' tiles cannot read this cache: {unfit}; use 'page' tiles")
     capacity = page_table.shape[1] * page_size
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), config.block_n) * config.block_n
     num_splits = triton.cdiv(capacity, split_len)
@@ -355,18 +224,14 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     mid_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)  # [B, H, S, V]
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)        # [B, H, S]
     grid = (batch, triton.cdiv(num_heads, config.block_h), num_splits)
-    if config.tiles == "tma":
-        _launch_tma_split(q, kv_cache, page_table, seq_lens, mid_out, mid_lse, config, grid, v_dim, split_len,
-                          scale)
-    else:
-        _mla_decode_split_kernel[grid](
-            q, kv_cache, page_table, seq_lens, mid_out, mid_lse,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
-            mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            num_heads, v_dim, latent_dim, split_len, scale / LN2, LN2,
-            PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_V=block_v,
-            BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0,
-            PAGE_TILES=config.tiles == "page", num_warps=config.num_warps, num_stages=config.num_stages)
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, page_table, seq_lens, mid_out, mid_lse,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), page_table.stride(0),
+        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        num_heads, v_dim, latent_dim, split_len, scale / LN2, LN2,
+        PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_V=block_v,
+        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0,
+        PAGE_TILES=config.tiles == "page", num_warps=config.num_warps, num_stages=config.num_stages)
     merge_block_v = min(block_v, config.merge_block_v or block_v)
     _mla_decode_merge_kernel[(batch, num_heads, triton.cdiv(v_dim, merge_block_v))](
         mid_out, mid_lse, seq_lens, out, lse,
@@ -377,44 +242,10 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     return MlaDecodeOut(out, lse)
 
 
-def _rope_block(latent_dim: int, v_dim: int) -> int:
-    return max(16, triton.next_power_of_2(max(latent_dim - v_dim, 1)))
-
-
-def _cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The [pages, page_size, D_latent] cache as one [rows, D_latent] view over its storage: page p's entries are rows
-    p * page_rows .. + page_size (the cache may be a strided view into a pool; tma_unfit checks that it can be)."""
-    num_pages, page_size, latent = kv_cache.shape
-    row_stride = kv_cache.stride(1)
-    rows = (num_pages - 1) * (kv_cache.stride(0) // row_stride) + page_size
-    return kv_cache.as_strided((rows, latent), (row_stride, 1))
-
-
-def _launch_tma_split(q, kv_cache, page_table, seq_lens, mid_out, mid_lse, config: MlaDecodeConfig, grid, v_dim: int,
-                      split_len: int, scale: float) -> None:
-    latent_dim = q.shape[2]
-    value_chunk = min(TMA_BOX, max(16, triton.next_power_of_2(v_dim)))
-    rope_block = _rope_block(latent_dim, v_dim)
-    rows = _cache_rows(kv_cache)
-    value_desc = TensorDescriptor.from_tensor(rows, [config.block_n, value_chunk])
-    rope_desc = TensorDescriptor.from_tensor(rows, [config.block_n, rope_block])
-    _mla_decode_split_tma_kernel[grid](
-        q, value_desc, rope_desc, page_table, seq_lens, mid_out, mid_lse,
-        q.stride(0), q.stride(1), page_table.stride(0), kv_cache.stride(0) // kv_cache.stride(1),
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        q.shape[1], v_dim, latent_dim, split_len, scale / LN2, LN2,
-        PAGE_SIZE=kv_cache.shape[1], BLOCK_H=config.block_h, BLOCK_N=config.block_n, VALUE_CHUNK=value_chunk,
-        TWO_CHUNKS=v_dim > value_chunk, BLOCK_R=rope_block, HAS_ROPE=latent_dim > v_dim,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-
-
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                scale: float, v_dim: int, config: MlaDecodeConfig | None = None) -> MlaDecodeOut:
     """The op (see `k3core.ops`); `config` defaults to the tuning table's entry for this target and batch."""
-    if config is None:
-        config = mla_decode_config(q.device, q.shape[1], q.shape[0], kv_cache.shape[1])
-        if config.tiles == "tma" and tma_unfit(kv_cache, v_dim):
-            config = config._replace(tiles="page")    # the table's choice, made per cache: same tiles, pointer loads
+    config = config or mla_decode_config(q.device, q.shape[1], q.shape[0], kv_cache.shape[1])
     capacity = page_table.shape[1] * kv_cache.shape[1]
     num_splits = choose_num_splits(q.device, q.shape[0], triton.cdiv(q.shape[1], config.block_h), capacity,
                                    config.block_n, config.programs_per_unit, config.split_policy)
