@@ -16,6 +16,7 @@ with the line to paste per shape class into kernels/triton/tuning_ops.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import time
@@ -44,7 +45,6 @@ from kernels.triton.tuning_ops import (
     MlaDecodeConfig,
     kda_decode_config,
     mla_decode_config,
-    pdl_supported,
     shape_class,
 )
 
@@ -84,8 +84,9 @@ class Grid:
 
 # The 2026-11-29 sweeps (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
 # 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the "waves" split policy,
-# wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits), block_v 4 and
-# programmatic dependent launch for KDA (sm90+).
+# wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and block_v 4. KDA
+# decode with programmatic dependent launch (waiting on the previous kernel before its first load) gained nothing
+# beyond noise on 2026-11-30 (bench/results/tune-decode-merge-nvidia-h200.md) and was removed.
 GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page",), (32, 64), (4, 8), (2, 3),
                 (1, 2, 4), ("cover", "waves"),
                 ((1, 0), (16, 128), (32, 64), (64, 32), (128, 32), (64, 16), (256, 16), (128, 16)),
@@ -219,7 +220,13 @@ def _sweep_mla_shape(sweep: Sweep, grid: Grid, deadline: float, batch: int, seq_
              for variant, block_n, warps, stages in itertools.product(grid.mla_tiles, grid.mla_block_n,
                                                                       grid.mla_warps, grid.mla_stages)
              if variant == "gather" or page % block_n == 0]
-    best_tiles = [MlaDecodeConfig(**t.config) for t in ranked(tiles)[:ROUND2_KEEP]]
+    # round 2 takes the best tiles of round 1 and the tiles the table holds for every batch class: a tile that loses at
+    # round 1's split count can win at another (B=64's table tile, one program per SM, was never tried on B=1 at 1)
+    leaders = [MlaDecodeConfig(**t.config) for t in ranked(tiles)[:ROUND2_KEEP]]
+    incumbents = [mla_decode_config(ctx.device, grid.mla_heads, first, page)._replace(
+        programs_per_unit=ROUND1_PROGRAMS_PER_UNIT, merge_splits=ROUND1_MERGE[0], merge_block_v=ROUND1_MERGE[1],
+        split_policy="cover") for first in _class_first_batches()]
+    best_tiles = list(dict.fromkeys(leaders + incumbents))
     splits = [attempt(config._replace(programs_per_unit=programs, split_policy=policy), "splits")
               for config in best_tiles for programs in grid.mla_programs_per_unit
               for policy in grid.mla_split_policies
@@ -231,6 +238,15 @@ def _sweep_mla_shape(sweep: Sweep, grid: Grid, deadline: float, batch: int, seq_
         for merge_splits, merge_block_v in grid.mla_merges:
             if (merge_splits, merge_block_v) != (leader.merge_splits, leader.merge_block_v):
                 attempt(leader._replace(merge_splits=merge_splits, merge_block_v=merge_block_v), "merge")
+
+
+def _class_first_batches() -> list[int]:
+    """The smallest batch of every MLA decode batch class (1, 5, 33)."""
+    firsts, previous = [], 0
+    for bound, _ in MLA_DECODE_BATCH_CLASSES:
+        firsts.append(previous + 1)
+        previous = bound or previous
+    return firsts
 
 
 # ----------------------------------------------------------------------------------------------------- KDA decode
@@ -290,9 +306,18 @@ def _sweep_kda_shape(sweep: Sweep, grid: Grid, deadline: float, gate: KdaGatePar
     print(f"kda_decode {shape}: {num_sets} input set(s), {state_bytes / 1e6:.1f} MB of state traffic per call",
           flush=True)
     attempt(kda_decode_config(ctx.device, num_seqs), "default")
-    pdl = (False, True) if pdl_supported(ctx.device) else (False,)
-    for block_v, warps, launch_pdl in itertools.product(grid.kda_block_v, grid.kda_warps, pdl):
-        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps, pdl=launch_pdl), "all")
+    for block_v, warps in itertools.product(grid.kda_block_v, grid.kda_warps):
+        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps), "all")
+
+
+def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        shapes = tuple((int(b), int(n)) for b, n in (item.lower().split("x") for item in text.split(",") if item))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(b < 1 or n < 1 for b, n in shapes):
+        raise SystemExit(f"--mla-shapes {text!r}: give batch x context pairs such as 1x131072,64x8192")
+    return shapes
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -301,6 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny grid on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
     parser.add_argument("--budget-s", type=float, default=TIME_BUDGET_S, help="stop starting trials after this")
+    parser.add_argument("--mla-shapes", default="", help="MLA shapes to sweep as BxL,... (default: all of the grid's)")
     return parser.parse_args(argv)
 
 
@@ -314,6 +340,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)
     grid = SMOKE_GRID if args.smoke else GPU_GRID
+    if args.mla_shapes:
+        grid = dataclasses.replace(grid, mla_shapes=_parse_shapes(args.mla_shapes))
     out_dir = results_dir(args.out)
     env = environment(ctx.device, args.smoke)
     with torch.inference_mode():

@@ -183,16 +183,6 @@ def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
     assert torch.equal(arena[untouched], before[untouched]) and torch.equal(arena[:, 0], before[:, 0])
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="the refusal is for targets without programmatic launch")
-def test_kda_decode_refuses_pdl_where_it_cannot_launch_so():
-    q = torch.randn(1, 1, 16, device=DEVICE)
-    gate = KdaGateParams(torch.zeros(1, device=DEVICE), torch.zeros(16, device=DEVICE), "lower_bound", -5.0)
-    with pytest.raises(ValueError, match="programmatic"):
-        kda_decode(q, q, q, q, torch.zeros(1, 1, device=DEVICE), gate, torch.zeros(2, 1, 16, 16, device=DEVICE),
-                   torch.zeros(1, dtype=torch.int64, device=DEVICE), 1.0,
-                   KdaDecodeConfig(block_v=8, num_warps=1, pdl=True))
-
-
 def test_kda_decode_rejects_a_block_v_that_is_not_a_power_of_two():
     q = torch.randn(1, 1, 16, device=DEVICE)
     gate = KdaGateParams(torch.zeros(1, device=DEVICE), torch.zeros(16, device=DEVICE), "lower_bound", -5.0)

@@ -13,18 +13,14 @@ import triton.language as tl
 from k3core.ops import KdaGateParams
 from kernels.triton.kda_gate import gate_form_id, gate_log_decay, gate_tensors
 from kernels.triton.tuning import pow2_at_least
-from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config, pdl_supported
+from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config
 
 
 @triton.jit
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
                        state_ptr, state_stride, slot_ptr, o_ptr, scale, lower_bound,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        # launched as a programmatic dependent: wait here, before any load, until the previous kernel in the stream
-        # has finished and its writes are visible (nothing of ours overlaps it but the launch itself)
-        tl.extra.cuda.gdc_wait()
+                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -78,15 +74,11 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     config = config or kda_decode_config(q.device, num_seqs)
     if config.block_v < 1 or config.block_v & (config.block_v - 1):
         raise ValueError(f"kda_decode: block_v must be a power of two, got {config.block_v}")
-    if config.pdl and not pdl_supported(q.device):
-        raise ValueError("kda_decode: pdl needs an NVIDIA GPU of compute capability 9.0 or later (programmatic "
-                         "dependent launch); the tuning table never sets it elsewhere")
     block_k = pow2_at_least(k_dim)
     block_v = min(config.block_v, pow2_at_least(v_dim, floor=1))     # no tl.dot here: any power of two works
     grid = (triton.cdiv(v_dim, block_v), num_heads, num_seqs)
     _kda_decode_kernel[grid](q, k, v, f, beta_logits, a_log, dt_bias, state, state.stride(0),
                              slot_ids.to(device=q.device, dtype=torch.int64), output, float(scale),
                              float(gate.lower_bound), H=num_heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
-                             FORM=form, PDL=config.pdl, num_warps=config.num_warps,
-                             **({"launch_pdl": True} if config.pdl else {}))
+                             FORM=form, num_warps=config.num_warps)
     return output

@@ -103,16 +103,17 @@ KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs
 # tuning sweep existed: 16 x 32 tiles on 4 warps with about 2 programs per SM (1.3 TB/s at B=1, 128K; 1.6 TB/s at
 # B=64, 8K on an H200). Paste the winners of `python -m bench.tune_decode` here, one line per class.
 _MLA_DECODE_NVIDIA: dict[str, MlaDecodeConfig] = {
-    # bench/results/tune-decode-waves-nvidia-h200.md (2026-11-30, graphs of >= 8 calls): 62.9% of copy at B=1 x 128K
-    # (the 2026-11-29 entry, merging 16 splits per step over 128 columns, 53.7% in the same run): the 256 splits'
-    # LSE merge is most of what the wider, narrower merge steps saved
+    # bench/results/tune-decode-merge-nvidia-h200.md (2026-11-30, graphs of >= 8 calls): 65.7% of copy at B=1 x 128K
+    # (the 2026-11-29 entry, merging 16 splits per step over 128 columns, 53.7% in tune-decode-waves): the LSE merge
+    # of 256 splits in one step per 16 columns (384 programs) saved most of it
     "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
-                                 tiles="page", merge_splits=64, merge_block_v=32),
-    # 79.3% at B=8 x 32K (75.1% for the old entry in the same run): "waves" makes 128 programs, one per SM
+                                 tiles="page", merge_splits=256, merge_block_v=16),
+    # tune-decode-waves: 79.3% at B=8 x 32K (75.1% for the old entry in the same run): "waves" makes 128 programs,
+    # one per SM
     "batch 5-32": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
                                   tiles="page", merge_splits=32, merge_block_v=64, split_policy="waves"),
-    # 85.4% at B=64 x 8K (70.8% for the old entry): "cover" made 3 splits per request, 192 programs on 132 SMs
-    # (1.45 waves); "waves" makes 2, 128 programs in one wave
+    # tune-decode-waves: 85.4% at B=64 x 8K (70.8% for the old entry): "cover" made 3 splits per request, 192
+    # programs on 132 SMs (1.45 waves); "waves" makes 2, 128 programs in one wave
     "batch 33+": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
                                  tiles="page", merge_splits=1, merge_block_v=0, split_policy="waves"),
 }
@@ -148,8 +149,6 @@ class KdaDecodeConfig(NamedTuple):
     """Launch parameters of KDA decode (kernels/triton/kda_decode.py): one program per (value block, head, seq)."""
     block_v: int             # value rows of the [V, K] state per program: V / block_v programs per (seq, head)
     num_warps: int
-    pdl: bool = False        # launch as a programmatic dependent (sm90+): the kernel launches while the previous one
-                             # drains and waits on it before its first load (pdl_supported)
 
 
 # NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
@@ -162,11 +161,6 @@ _KDA_DECODE_NVIDIA: dict[str, KdaDecodeConfig] = {
     "seqs 129-512": KdaDecodeConfig(block_v=8, num_warps=1),
     "seqs 513+": KdaDecodeConfig(block_v=8, num_warps=1),
 }
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: NVIDIA sm90 and later, compiled (not the interpreter)."""
-    return target(device) == "nvidia" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def kda_decode_config(device: torch.device, num_seqs: int) -> KdaDecodeConfig:
