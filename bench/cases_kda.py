@@ -232,7 +232,20 @@ def _decode_row(ctx: BenchContext, num_seqs: int, heads: int, dim: int) -> Row:
         row.anchor_ms = ctx.timer.time_graph(anchor_calls).ms
     if row.passed:
         row.notes += "; " + ctx.timer.single_pass_note(calls, anchor_calls if row.anchor_passed else None)
+        row.notes += "; " + _same_size_copy_note(ctx, state_bytes // 2, num_sets, row.ours_ms)
     return row
+
+
+def _same_size_copy_note(ctx: BenchContext, num_bytes: int, num_sets: int, ours_ms: float) -> str:
+    """A plain device copy of the bytes the step reads (and so writes), over as many rotated buffers and timed the
+    same way: the copy bandwidth at this size, launch and ramp included, beside the 1 GiB ceiling of `% copy`."""
+    elements = num_bytes // 4
+    pairs = [(torch.randn(elements, device=ctx.device), torch.empty(elements, device=ctx.device))
+             for _ in range(num_sets)]                   # drawn on the device: the values do not matter to a copy
+    copy_ms = ctx.timer.time_graph([lambda src=src, dst=dst: dst.copy_(src) for src, dst in pairs]).ms
+    del pairs
+    return (f"a device copy of the same bytes, timed the same way: {copy_ms:.4f} ms (ours takes "
+            f"{ours_ms / copy_ms:.2f}x as long)")
 
 
 def _decode_checks(ctx: BenchContext, call, inputs: dict, slots: torch.Tensor, pool: torch.Tensor,

@@ -15,9 +15,12 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
 else
     echo "no .whl/fla_core-*.whl in the tree: fla rows will say anchor unavailable"
 fi
-K3CORE_COMMIT=${K3CORE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-if [ "$K3CORE_COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
-    K3CORE_COMMIT="$K3CORE_COMMIT+dirty"
+# a commit given by the caller is taken as is: the device copy's .git can be older than the tree it carries
+if [ -z "${K3CORE_COMMIT:-}" ]; then
+    K3CORE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    if [ "$K3CORE_COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        K3CORE_COMMIT="$K3CORE_COMMIT+dirty"
+    fi
 fi
 export K3CORE_COMMIT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
