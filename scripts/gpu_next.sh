@@ -37,7 +37,7 @@ case "${1:-}" in
     echo "model_bench exit $?"; grep -E "^\[" "$OUT/model_bench.log" | tail -n 12; rm -f "$OUT/model_bench.log"
     ;;
   check)
-    for op in kda_prefill moe_experts short_conv_prefill mla_prefill; do
+    for op in kda_prefill kda_decode mla_decode moe_experts short_conv_prefill mla_prefill; do
         timeout "${LIMIT:-150}" python3 -m conformance --backend cuda --op "$op" --dtype bf16,fp32 \
             --report "$OUT/conformance-cuda-h200-$op" > "$OUT/conf-$op.log" 2>&1
         echo "conformance $op exit $?"; grep -E "^$op " "$OUT/conf-$op.log"; rm -f "$OUT/conf-$op.log"
