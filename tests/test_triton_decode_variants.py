@@ -136,6 +136,19 @@ def test_mla_decode_programs_per_unit_match_reference(programs_per_unit):
                expected)
 
 
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_mla_decode_nvidia_tables_fit_float32_caches_in_shared_memory(monkeypatch, batch):
+    """The tuned bf16 tiles (64 entries x 3 stages) asked for 335936 bytes in float32 on an H200 (limit 232448,
+    2026-11-30): (stages - 1) buffers of block_n x 576 entries plus the 16 x 576 query tile and about 41 KB more.
+    The float32 config must fit by that same count."""
+    from kernels.triton import tuning_ops
+    monkeypatch.setattr(tuning_ops, "target", lambda device: "nvidia")
+    for element_size in (2, 4):
+        config = tuning_ops.mla_decode_config(torch.device("cuda"), 12, batch, 64, element_size)
+        needed = ((config.num_stages - 1) * config.block_n + 16) * 576 * element_size + 41 * 1024
+        assert needed <= 232448, (element_size, config, needed)
+
+
 def test_mla_decode_config_picks_gather_tiles_where_a_tile_spans_pages():
     assert mla_decode_config(torch.device("cpu"), 12, 1, 16).tiles == "page"
     assert mla_decode_config(torch.device("cpu"), 12, 1, 4).tiles == "gather"

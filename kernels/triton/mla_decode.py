@@ -214,7 +214,7 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     lse = torch.empty(batch, num_heads, dtype=torch.float32, device=q.device)       # [B, H]
     if batch == 0:
         return MlaDecodeOut(out, lse)
-    config = config or mla_decode_config(q.device, num_heads, batch, page_size)
+    config = config or mla_decode_config(q.device, num_heads, batch, page_size, kv_cache.element_size())
     _check_config(config, page_size)
     capacity = page_table.shape[1] * page_size
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), config.block_n) * config.block_n
@@ -245,7 +245,7 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                scale: float, v_dim: int, config: MlaDecodeConfig | None = None) -> MlaDecodeOut:
     """The op (see `k3core.ops`); `config` defaults to the tuning table's entry for this target and batch."""
-    config = config or mla_decode_config(q.device, q.shape[1], q.shape[0], kv_cache.shape[1])
+    config = config or mla_decode_config(q.device, q.shape[1], q.shape[0], kv_cache.shape[1], kv_cache.element_size())
     capacity = page_table.shape[1] * kv_cache.shape[1]
     num_splits = choose_num_splits(q.device, q.shape[0], triton.cdiv(q.shape[1], config.block_h), capacity,
                                    config.block_n, config.programs_per_unit, config.split_policy)

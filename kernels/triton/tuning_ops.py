@@ -125,9 +125,11 @@ def shape_class(classes: tuple[tuple[int | None, str], ...], size: int) -> str:
     return next(name for bound, name in classes if bound is None or size <= bound)
 
 
-def mla_decode_config(device: torch.device, num_heads: int, batch: int = 1, page_size: int = 64) -> MlaDecodeConfig:
-    """Tiles per target and shape class. "page" tiles need block_n to divide the page size; where it does not,
-    this returns the same config with "gather" tiles (the kernel is chosen here, never inside the launch)."""
+def mla_decode_config(device: torch.device, num_heads: int, batch: int = 1, page_size: int = 64,
+                      element_size: int = 2) -> MlaDecodeConfig:
+    """Tiles per target, shape class and cache element size. "page" tiles need block_n to divide the page size;
+    where it does not, this returns the same config with "gather" tiles (the kernel is chosen here, never inside the
+    launch)."""
     kind = target(device)
     if kind == "interpreter":
         config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2,
@@ -137,6 +139,10 @@ def mla_decode_config(device: torch.device, num_heads: int, batch: int = 1, page
                                  tiles="gather")
     elif num_heads <= 16:
         config = _MLA_DECODE_NVIDIA[shape_class(MLA_DECODE_BATCH_CLASSES, batch)]
+        if element_size > 2:
+            # A float32 cache (the conformance path) doubles every stage's shared memory: the bf16 tables' 64-entry
+            # tiles in 3 stages asked for 336 KB on an H200 (limit 227 KB); 32-entry tiles in 2 stages take 147 KB.
+            config = config._replace(block_n=min(config.block_n, 32), num_stages=min(config.num_stages, 2))
     else:
         # With 64+ heads the op turns compute bound (~180 FLOP per byte) and wider head blocks with 8 warps win.
         config = MlaDecodeConfig(block_h=32 if num_heads <= 32 else 64, block_n=32, num_warps=8, num_stages=2,
