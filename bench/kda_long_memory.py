@@ -53,11 +53,15 @@ def _fla_state(rounded: dict, lengths: list[int]) -> tuple[torch.Tensor, torch.T
     initial[~has_initial.to(device)] = 0.0                                 # no initial state = starting from zeros
     bounds = torch.tensor([0, *torch.tensor([lengths[i] for i in kept]).cumsum(0).tolist()], dtype=torch.int64)
     gate = rounded["gate"]
+    # fla's gate forms: safe_gate with lower_bound is our "lower_bound" form; without it, -exp(A_log) softplus(f +
+    # dt_bias), our "softplus" form
+    bounded = gate.form == "lower_bound"
     out, final = chunk_kda(rounded["q"][None], rounded["k"][None], rounded["v"][None], rounded["f"][None],
                            rounded["beta_logits"][None], scale=float(rounded["scale"]),
                            initial_state=initial[kept].contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                           safe_gate=True, lower_bound=gate.lower_bound, A_log=gate.A_log, dt_bias=gate.dt_bias,
+                           safe_gate=bounded, lower_bound=gate.lower_bound if bounded else None,
+                           A_log=gate.A_log, dt_bias=gate.dt_bias,
                            state_v_first=True, cu_seqlens=bounds.to(device), cu_seqlens_cpu=bounds)
     states = initial.clone()
     states[kept] = final.to(states.dtype)
