@@ -108,10 +108,10 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance | s
 
 
 def check_inplace(op: str, name: str, before: torch.Tensor, after: torch.Tensor, oracle_after: torch.Tensor,
-                  rows: torch.Tensor, dtype: torch.dtype) -> list[TensorCheck]:
+                  rows: torch.Tensor, dtype: torch.dtype, memory: str = "short") -> list[TensorCheck]:
     after = after.detach().cpu()
     rows = rows.cpu()
-    addressed = compare(name, after[rows], oracle_after[rows], tolerance(op, name, dtype))
+    addressed = compare(name, after[rows], oracle_after[rows], tolerance(op, name, dtype, memory))
     untouched = torch.ones(after.shape[0], dtype=torch.bool)
     untouched[rows] = False
     old, new = before.cpu()[untouched], after[untouched]
@@ -141,6 +141,7 @@ def run_case(case: Case, provider: Provider, dtype: torch.dtype, device: torch.d
         result.reason = reason
         return result
     started = time.perf_counter()
+    memory = case.params.get("memory", "short")
     try:
         gen = torch.Generator().manual_seed(seed)
         call = build(case, gen)
@@ -156,9 +157,10 @@ def run_case(case: Case, provider: Provider, dtype: torch.dtype, device: torch.d
             if name not in got:
                 result.checks.append(TensorCheck(name, False, float("inf"), 0.0, "output missing"))
                 continue
-            result.checks.append(compare(name, got[name], want, tolerance(case.op, name, dtype)))
+            result.checks.append(compare(name, got[name], want, tolerance(case.op, name, dtype, memory)))
         for name, rows in call.inplace.items():
-            result.checks += check_inplace(case.op, name, before[name], rounded[name], oracle_in[name], rows, dtype)
+            result.checks += check_inplace(case.op, name, before[name], rounded[name], oracle_in[name], rows, dtype,
+                                           memory)
         result.status = "passed" if all(c.passed for c in result.checks) else "failed"
     except Exception as exc:
         result.status = "error"

@@ -45,6 +45,23 @@ STATE = {
     BF16: Tolerance(1e-2, 1e-2, "float32 state, bf16 q/k/v tiles in the chunk GEMMs; no output rounding"),
     F16: Tolerance(5e-3, 5e-3, "float32 state, float16 tiles in the chunk GEMMs"),
 }
+# The same float32 state, carried through every chunk of a long-memory case (memory="long": about -2e-3 log-decay
+# per token), so that the rounding of each chunk's bf16 intermediates adds up instead of being forgotten.
+STATE_LONG_MEMORY = {
+    F32: STATE[F32],
+    BF16: Tolerance(2e-2, 2e-2, "as STATE, but each chunk's bf16 rounding of W, U, the decayed keys and the state "
+                                "tile in its products is carried into every later chunk: on the same rounded inputs "
+                                "fla-core 0.6.0's chunk_kda reached 1.22x the 1e-2 bound and k3core 1.17x, over 10 "
+                                "case/seed pairs on an H200 (bench/results/kda-long-memory-nvidia-h200.md, "
+                                "2026-11-30); twice the bound leaves room for other seeds. float32 runs keep STATE's "
+                                "bound, and they are the ones that catch a wrong carry"),
+    F16: STATE[F16],        # not measured: float16's 2^-11 rounding is 4x finer than bf16's
+}
+# Outputs whose tolerance changes for cases built with memory="long" (conformance/cases.py).
+LONG_MEMORY_TOLERANCES = {
+    ("kda_prefill", "state"): STATE_LONG_MEMORY,
+    ("kda_prefill", "checkpoint_states"): STATE_LONG_MEMORY,
+}
 # Log-sum-exp (float32 in every run dtype): an absolute error of the scores passes straight through.
 LSE = {
     F32: Tolerance(2e-3, 0.0, "scores are TF32 dot products of magnitude <= ~10: absolute error ~1e-3"),
@@ -86,8 +103,11 @@ TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance] | str] = {
 }
 
 
-def tolerance(op: str, output: str, dtype: torch.dtype) -> Tolerance | str:
-    """The tolerance of one output tensor, or EXACT for integer outputs."""
+def tolerance(op: str, output: str, dtype: torch.dtype, memory: str = "short") -> Tolerance | str:
+    """The tolerance of one output tensor, or EXACT for integer outputs; `memory` is the case's ("long": the state
+    is carried across many chunks, see STATE_LONG_MEMORY)."""
+    if memory == "long" and (op, output) in LONG_MEMORY_TOLERANCES:
+        return LONG_MEMORY_TOLERANCES[(op, output)][dtype]
     try:
         entry = TOLERANCES[(op, output)]
     except KeyError:

@@ -76,3 +76,37 @@ def test_a_wrong_provider_fails_and_a_stray_write_is_caught():
     assert result.status == "failed"
     assert any("not addressed" in c.output and not c.passed for c in result.checks)
     assert runner_module is not None
+
+
+def test_long_memory_cases_widen_only_the_bf16_state_bounds_and_say_why():
+    from conformance.tolerances import LONG_MEMORY_TOLERANCES, STATE, TOLERANCES, tolerance
+    bf16, f32 = torch.bfloat16, torch.float32
+    for op, output in LONG_MEMORY_TOLERANCES:
+        assert (op, output) in TOLERANCES
+        wide = tolerance(op, output, bf16, "long")
+        assert wide.atol > STATE[bf16].atol and "kda-long-memory" in wide.reason
+        assert tolerance(op, output, f32, "long") == STATE[f32]            # float32 keeps catching a wrong carry
+        assert tolerance(op, output, bf16) == STATE[bf16]
+    assert tolerance("kda_prefill", "output", bf16, "long") == tolerance("kda_prefill", "output", bf16)
+    long_cases = [c for c in CASES if c.params.get("memory") == "long"]
+    assert long_cases and all(c.op == "kda_prefill" for c in long_cases)
+
+
+def test_a_long_memory_carry_that_drifts_fails_in_float32():
+    """The float32 bound of the long-memory cases must still catch a wrong carry: 1% too much state (entries up to
+    ~2.4, bound 2e-3 + 2e-3 |state|). The bf16 bound (twice STATE's) could not tell 1% from rounding here."""
+    from conformance.runner import run_case as run
+    from k3core.backend import Provider
+    from kernels.torch.kda import kda_prefill
+
+    case = next(c for c in CASES if c.label == "long-memory-varlen-ckpt32")
+
+    def drifting(**kwargs):
+        result = kda_prefill(**kwargs)
+        kwargs["state"][kwargs["slot_ids"].long()] *= 1.01
+        return result
+
+    drift = Provider("kda_prefill", "test.drift", "torch", 0, "kernels.torch.kda:kda_prefill")
+    drift._fn = drifting
+    result = run(case, drift, torch.float32, CPU, SEED)
+    assert result.status == "failed" and any(c.output == "state" and not c.passed for c in result.checks)
