@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-29 (fourth) session the owed ones are:
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune --chunk-sizes 32 --passes state --budget-s 150
-#                                                          # ~3 min: times the segmented KDA state pass (new, never
-#                                                          #   run on a GPU) against the table's; then set _NVIDIA
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_bench.sh          # ~8 min, carry .whl: every kernel row at one commit (the
-#                                                          #   committed rows come from 2e3173c, 4e693c7 and 5b54b92)
+# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (fifth) session nothing measured is owed
+# at the final commit except the report files that did not come back (the device tool returns about eight):
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of kda_prefill, kda_decode,
+#                                                          #   mla_decode, moe_experts, short_conv_prefill,
+#                                                          #   mla_prefill and the whole-model check (12+ files:
+#                                                          #   run it as two calls, or fetch what matters first)
+# Other subcommands:
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh model     # ~1.5 min: k3-mini whole-model bench with its profile
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~3 min: conformance of the ops changed lately and the
-#                                                          #   whole-model check
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode     # ~2 min: bench.tune_decode (MLA decode tiles, the
-#                                                          #   "waves" split policy and the LSE merge steps)
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode ... # ~2 min: bench.tune_decode (MLA / KDA decode tables;
+#                                                          #   --only mla --mla-shapes 1x131072 for one shape)
+# and `bash scripts/gpu_bench.sh` (~5 min, carry .whl) for every kernel row at one commit.
 # Extra arguments after `tune` go to bench.tune_prefill (e.g. --chunk-sizes 32 --budget-s 150).
 # carry [".whl"] for `tune` (the fla-core anchor; without it the sweep skips fla and its ~100 s autotune per shape).
 # Reports land in $OUT; the device tool returns about eight files, so keep them few.
