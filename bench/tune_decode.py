@@ -9,9 +9,9 @@ that fails is marked "wrong" and never timed, one that does not compile (OutOfRe
 The rest are timed like bench/kernels.py times decode: one CUDA graph of >= 8 calls cycling through rotated input
 sets (>= 3x L2), do_bench median, but with a shorter do_bench budget so the whole sweep (compiles included) stays
 under ~4 minutes. Past the time budget the remaining configs are recorded as "skipped". MLA is searched in three
-rounds (tile shapes at two programs per SM, then the split multiplier and policy for the three best tiles, then the
-LSE merge of the best one); KDA's grid is small enough to run whole. Results: tune-decode-<device>.json and .md,
-with the line to paste per shape class into kernels/triton/tuning_ops.py.
+rounds (tile shapes at two programs per SM, then the split multiplier and policy for the three best tiles and the
+table's own tiles, then the LSE merges on the three best configs); KDA's grid is small enough to run whole.
+Results: tune-decode-<device>.json and .md, with the line to paste per shape class into kernels/triton/tuning_ops.py.
 """
 from __future__ import annotations
 
