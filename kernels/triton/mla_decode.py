@@ -19,6 +19,7 @@ the page table to the batch (max pages of its longest request) so that short bat
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -170,18 +171,22 @@ def choose_num_splits(device: torch.device, batch: int, num_head_blocks: int, ca
     `programs_per_unit` programs per SM/CU. "waves": the count whose programs finish soonest when they run in waves
     of `programs_per_unit` per SM/CU (the fewest such splits on a tie): "cover" rounds up, which can leave a last
     wave mostly idle (64 requests on 132 SMs: 3 splits make 192 programs, 1.45 waves; 2 make one full wave)."""
-    requests = max(1, batch * num_head_blocks)
-    longest = max(1, triton.cdiv(capacity, 4 * block_n))
-    slots = programs_per_unit * compute_units(device)
-    if split_policy == "cover":
-        return max(1, min(triton.cdiv(slots, requests), longest))
-    if split_policy != "waves":
+    if split_policy not in MLA_DECODE_SPLIT_POLICIES:
         raise ValueError(f"mla_decode: unknown split_policy {split_policy!r}; choose one of: "
                          f"{', '.join(MLA_DECODE_SPLIT_POLICIES)}")
+    return _num_splits(max(1, batch * num_head_blocks), max(1, triton.cdiv(capacity, 4 * block_n)),
+                       programs_per_unit * compute_units(device), split_policy)
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_splits(requests: int, longest: int, slots: int, split_policy: str) -> int:
+    """choose_num_splits on plain integers, cached: an eager decode step asks it once per MLA layer."""
+    cover = max(1, min(triton.cdiv(slots, requests), longest))
+    if split_policy == "cover":
+        return cover
     # time ~ waves x split length ~ ceil(requests * s / slots) / s, searched up to "cover"'s count (more splits
     # only add merge work and shorter splits)
-    candidates = range(1, min(longest, triton.cdiv(slots, requests)) + 1)
-    return min(candidates, key=lambda s: (triton.cdiv(requests * s, slots) / s, s))
+    return min(range(1, cover + 1), key=lambda s: (triton.cdiv(requests * s, slots) / s, s))
 
 
 def _check_config(config: MlaDecodeConfig, page_size: int) -> None:
