@@ -3,6 +3,7 @@ entries, and the state carried from chunk to chunk on a long-memory gate, each a
 (set-up in kda_helpers)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -25,7 +26,19 @@ from kda_helpers import (  # noqa: E402
     _long_memory_gate,
     nan_poisoned_empty,  # noqa: F401 (autouse fixture: every torch.empty starts as NaN)
 )
+from kernels.triton.kda_prefill import prepare_kda_prefill  # noqa: E402
 from kernels.triton.tuning import kernel_config  # noqa: E402
+
+
+def _state_pass_with(edit):
+    """kda_prefill's two passes with the table's intra pass and the state pass's table config changed by
+    `edit(config) -> config`."""
+    def run(**kwargs):
+        launch, out = prepare_kda_prefill(**kwargs)
+        launch.intra()
+        launch.state(edit(launch.state_config()))
+        return out
+    return run
 
 
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong", PREFILL_CASES)
@@ -35,16 +48,7 @@ def test_segmented_state_pass_matches_reference(form, chunk_size, lengths, k_dim
     """KernelConfig(segment_chunks=n): each sequence's chunks as segments of >= n chunks (cut only where a
     checkpoint may fall), their affine maps, the scan over them and the state pass per segment give the
     reference's outputs, final states and checkpoints, also for empty sequences and initial states."""
-    import dataclasses
-
-    from kernels.triton.kda_prefill import prepare_kda_prefill
-
-    def run(**kwargs):
-        launch, out = prepare_kda_prefill(**kwargs)
-        launch.intra()
-        launch.state(dataclasses.replace(launch.state_config(), segment_chunks=segment_chunks))
-        return out
-
+    run = _state_pass_with(lambda config: dataclasses.replace(config, segment_chunks=segment_chunks))
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
 
 
@@ -56,28 +60,19 @@ LONG_MEMORY_CASES = [(16, [100, 0, 37], 0), (32, [130, 70], 32), (16, [75], 24)]
 def test_state_carried_across_chunks_with_a_long_memory_gate(chunk_size, lengths, interval, variant):
     """Every form of the state pass, on a gate that keeps the state for hundreds of tokens: the state handed from
     chunk to chunk (and from segment to segment) is what the outputs depend on here."""
-    import dataclasses
-
-    from kernels.triton.kda_prefill import prepare_kda_prefill
-
-    def run(**kwargs):
-        launch, out = prepare_kda_prefill(**kwargs)
-        launch.intra()
-        config = launch.state_config()
+    def edit(config):
         changes = {"table": {}, "prefetch": {"prefetch": not config.prefetch},
                    "segments of 1": {"segment_chunks": 1}, "segments of 3": {"segment_chunks": 3}}[variant]
-        launch.state(dataclasses.replace(config, **changes))
-        return out
+        return dataclasses.replace(config, **changes)
 
+    run = _state_pass_with(edit)
     _check_prefill_case("lower_bound", chunk_size, lengths, 16, 16, interval, False, run,
                         gate=_long_memory_gate(2, 16))
 
 
 def test_state_config_segments_only_sequences_long_enough_for_two_segments(monkeypatch):
-    """A table entry with segment_chunks (none has it yet: the segmented pass is untimed) applies to a batch only
+    """A table entry with segment_chunks (none has it: the segmented pass lost on the H200) applies to a batch only
     when its longest sequence spans two segments; shorter batches get the same entry without it."""
-    import dataclasses
-
     from kernels.triton import kda_prefill as module
 
     table = {kind: dataclasses.replace(kernel_config(kind), segment_chunks=4)
@@ -116,7 +111,6 @@ def test_prefill_with_the_amd_table_matches_reference(case):
     """The AMD entries (never run on AMD hardware) give the reference's results under the interpreter: their
     chunk size, value blocks and solve precision; num_warps and num_stages only matter when compiled."""
     form, _, lengths, k_dim, v_dim, interval, strong = case
-    from kernels.triton.kda_prefill import prepare_kda_prefill
 
     def run(**kwargs):
         kwargs["chunk_size"] = kernel_config("kda_intra", "amd").block_t
@@ -133,7 +127,6 @@ def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device
     """kda_state_wide when sequences x heads x value blocks give >= 1 program per compute unit (16-bit inputs, or
     the interpreter), else kda_state; both configs give the reference's output (the many-sequence PREFILL_CASES
     run the wide one under the interpreter)."""
-    from kernels.triton.kda_prefill import prepare_kda_prefill
     from kernels.triton.tuning_ops import compute_units
     num_heads, k_dim, v_dim = 2, 16, 32
     gate = _gate("lower_bound", num_heads, k_dim, False)
@@ -174,14 +167,5 @@ def test_state_pass_with_and_without_prefetch_matches_reference(form, chunk_size
     """The state pass loading each chunk's inputs one step ahead (KernelConfig(prefetch=True), the table's) or in
     the step itself gives the reference's outputs, states and checkpoints, on both gate forms and with empty
     sequences in the batch."""
-    import dataclasses
-
-    from kernels.triton.kda_prefill import prepare_kda_prefill
-
-    def run(**kwargs):
-        launch, out = prepare_kda_prefill(**kwargs)
-        launch.intra()
-        launch.state(dataclasses.replace(launch.state_config(), prefetch=prefetch))
-        return out
-
+    run = _state_pass_with(lambda config: dataclasses.replace(config, prefetch=prefetch))
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
