@@ -29,7 +29,8 @@ class KernelConfig:
     solve_precision: str = "ieee"
     # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
     prefetch: bool = False
-    # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off
+    # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off. No
+    # table entry sets it: on the H200 it lost (1.95 against 1.45 ms at B=1 x 32K, tune-prefill-segments-*.md).
     segment_chunks: int = 0
 
 
