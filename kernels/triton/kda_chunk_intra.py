@@ -47,11 +47,11 @@ def _pair_matrices_dense(q, k, G, rows, DOT_DTYPE: tl.constexpr, BT: tl.constexp
         g_ref = _row(G, rows, i * SUB)                                          # [BK]
         in_block = (rows >= i * SUB) & (rows < (i + 1) * SUB)                   # rows of this block
         up_to_block = rows < (i + 1) * SUB                                      # columns it can see
-        row_decay = tl.exp(tl.where(in_block[:, None], G - g_ref[None, :], 0.0))   # [BT, BK] <= 1
         col_decay = tl.exp(tl.where(up_to_block[:, None], g_ref[None, :] - G, 0.0))  # [BT, BK] < exp(75)
+        k_cols = tl.where(up_to_block[:, None], k * col_decay, 0.0).to(DOT_DTYPE)
+        row_decay = tl.exp(tl.where(in_block[:, None], G - g_ref[None, :], 0.0))   # [BT, BK] <= 1
         q_rows = tl.where(in_block[:, None], q * row_decay, 0.0).to(DOT_DTYPE)
         k_rows = tl.where(in_block[:, None], k * row_decay, 0.0).to(DOT_DTYPE)
-        k_cols = tl.where(up_to_block[:, None], k * col_decay, 0.0).to(DOT_DTYPE)
         aqk += tl.dot(q_rows, tl.trans(k_cols), input_precision=PRECISION)   # [BT, BT]
         akk += tl.dot(k_rows, tl.trans(k_cols), input_precision=PRECISION)
     return aqk, akk
@@ -147,43 +147,44 @@ def kda_chunk_intra_kernel(
     i_h = tl.program_id(1)
     length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
                                                                          i_h, H, K, BT, BK)
+    DOT_DTYPE = w_ptr.dtype.element_ty
+    # Ordered for register pressure (a [BT, BK] float32 tile is BT * BK / (32 num_warps) registers per thread):
+    # each output is stored as soon as it is known, and v stays in its 16-bit input form until the last product
+    # (its load is still issued first, so its latency overlaps the rest), so that fewer float32 tiles are live
+    # across the pair products and the solve.
     cols_v = tl.arange(0, BVF)
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
     offs_v = head_row[:, None] * V + cols_v[None, :]                            # [BT, BVF]
-    DOT_DTYPE = w_ptr.dtype.element_ty
-
+    v_in = tl.load(v_ptr + offs_v, mask=mask_v, other=0.0)                     # [BT, BVF] input dtype
     q = tl.load(q_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)        # [BT, BK]
     k = tl.load(k_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
     k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    v = tl.load(v_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)        # [BT, BVF]
-    beta = tl.sigmoid(tl.load(beta_ptr + head_row, mask=row_ok, other=0.0).to(tl.float32))
-    beta = tl.where(row_ok, beta, 0.0)                                          # [BT]
-
     f = tl.load(f_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     a_log = tl.load(a_log_ptr + i_h)
     dt_bias = tl.load(dt_bias_ptr + i_h * K + cols_k, mask=cols_k < K, other=0.0)
     g = gate_log_decay(f, a_log, dt_bias[None, :], lower_bound, FORM)
     g = tl.where(mask_k, g, 0.0)                                                # tail rows do not decay
     G = tl.cumsum(g, 0)                                                         # [BT, BK]
+    tl.store(qg_ptr + offs_k, (q * tl.exp(G)).to(DOT_DTYPE), mask=mask_k)      # exp(G) <= 1
 
     if DENSE:
         aqk, akk = _pair_matrices_dense(q, k, G, rows, DOT_DTYPE, BT, SUB, PRECISION)
     else:
         aqk, akk = _pair_matrices_exact(q, k, G, rows, BT)
     aqk = tl.where(rows[:, None] >= rows[None, :], aqk, 0.0)
+    tl.store(aqk_ptr + head_row[:, None] * BT + rows[None, :], aqk.to(DOT_DTYPE), mask=row_ok[:, None])
+    beta = tl.sigmoid(tl.load(beta_ptr + head_row, mask=row_ok, other=0.0).to(tl.float32))
+    beta = tl.where(row_ok, beta, 0.0)                                          # [BT]
     akk = tl.where(rows[:, None] > rows[None, :], akk * beta[:, None], 0.0)
     t_inv = _unit_lower_inverse(akk, rows, BT, PRECISION)                  # [BT, BT]
 
-    decay_g = tl.exp(G)                                                         # [BT, BK] <= 1
-    w = tl.dot(t_inv, k * decay_g * beta[:, None], input_precision=PRECISION)   # [BT, BK]
-    u0 = tl.dot(t_inv, v * beta[:, None], input_precision=PRECISION)            # [BT, BVF]
+    w = tl.dot(t_inv, k * tl.exp(G) * beta[:, None], input_precision=PRECISION)   # [BT, BK]
+    tl.store(w_ptr + offs_k, w.to(DOT_DTYPE), mask=mask_k)
     g_last = _row(G, rows, length - 1)                                          # [BK]
     k_to_end = k * tl.exp(tl.where(mask_k, g_last[None, :] - G, 0.0))           # [BT, BK] <= |k|
-
-    tl.store(w_ptr + offs_k, w.to(DOT_DTYPE), mask=mask_k)
-    tl.store(qg_ptr + offs_k, (q * decay_g).to(DOT_DTYPE), mask=mask_k)
     tl.store(kd_ptr + offs_k, k_to_end.to(DOT_DTYPE), mask=mask_k)
+
+    u0 = tl.dot(t_inv, v_in.to(tl.float32) * beta[:, None], input_precision=PRECISION)            # [BT, BVF]
     tl.store(u_ptr + offs_v, u0.to(DOT_DTYPE), mask=mask_v)
-    tl.store(aqk_ptr + head_row[:, None] * BT + rows[None, :], aqk.to(DOT_DTYPE), mask=row_ok[:, None])
     tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, tl.exp(g_last), mask=cols_k < K)
