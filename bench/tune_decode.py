@@ -80,21 +80,19 @@ class Grid:
     kda_dim: int
     kda_block_v: tuple[int, ...]
     kda_warps: tuple[int, ...]
-    kda_programs_per_unit: tuple[int, ...]           # 0 = one program per tile; n = the persistent kernel
 
 
 # The 2026-11-29 sweeps (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
 # 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the "waves" split policy,
 # wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and block_v 4. KDA
 # decode with programmatic dependent launch (waiting on the previous kernel before its first load) gained nothing
-# beyond noise on 2026-11-30 (bench/results/tune-decode-merge-nvidia-h200.md) and was removed. 2 warps per KDA
-# program lost at every batch in both 2026-11-30 sweeps; the KDA grid now spends that room on the persistent kernel.
+# beyond noise on 2026-11-30 (bench/results/tune-decode-merge-nvidia-h200.md) and was removed.
 GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page",), (32, 64), (4, 8), (2, 3),
                 (1, 2, 4), ("cover", "waves"),
                 ((1, 0), (16, 128), (32, 64), (64, 32), (128, 32), (64, 16), (256, 16), (128, 16)),
-                KDA_BATCHES, KDA_HEADS, KDA_DIM, (4, 8, 16), (1,), (0, 4, 8, 12, 16))
+                KDA_BATCHES, KDA_HEADS, KDA_DIM, (4, 8, 16), (1, 2))
 SMOKE_GRID = Grid(((2, 37), (1, 50)), 4, 48, 32, 16, ("page", "gather"), (16,), (1,), (1,), (1, 2),
-                  ("cover", "waves"), ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,), (0, 1))
+                  ("cover", "waves"), ((1, 0), (2, 16)), (1, 3), 2, 16, (4, 16), (1,))
 ROUND1_PROGRAMS_PER_UNIT, ROUND1_MERGE = 2, (8, 128)
 ROUND2_KEEP = 3
 ROUND3_KEEP = 3                  # the merge round tries every merge on this many of the best configs so far
@@ -308,8 +306,8 @@ def _sweep_kda_shape(sweep: Sweep, grid: Grid, deadline: float, gate: KdaGatePar
     print(f"kda_decode {shape}: {num_sets} input set(s), {state_bytes / 1e6:.1f} MB of state traffic per call",
           flush=True)
     attempt(kda_decode_config(ctx.device, num_seqs), "default")
-    for block_v, warps, per_unit in itertools.product(grid.kda_block_v, grid.kda_warps, grid.kda_programs_per_unit):
-        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps, programs_per_unit=per_unit), "all")
+    for block_v, warps in itertools.product(grid.kda_block_v, grid.kda_warps):
+        attempt(KdaDecodeConfig(block_v=block_v, num_warps=warps), "all")
 
 
 def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:

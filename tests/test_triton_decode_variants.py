@@ -170,25 +170,8 @@ def test_mla_decode_rejects_configs_it_cannot_run():
                                           page._replace(tiles="gather", split_policy="even"))
 
 
-class _LaunchSpy:
-    """Stands in for a Triton kernel object: records each launch's grid, then launches the kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-# programs_per_unit 1 and 5 run the persistent kernel (the interpreter counts 4 units: 4 and 20 programs for 18-48
-# tiles, so programs take 1 to 12 tiles and the last one's look-ahead is clamped); 0 is one program per tile.
-@pytest.mark.parametrize("programs_per_unit", [0, 1, 5])
 @pytest.mark.parametrize("block_v,v_dim", [(1, 16), (4, 32), (8, 24), (64, 32)])   # 24: a partial value block
-def test_kda_decode_value_blocks_match_reference(block_v, v_dim, programs_per_unit, monkeypatch):
-    from kernels.triton import kda_decode as kda_decode_module
-    spy = _LaunchSpy(kda_decode_module._kda_decode_persistent_kernel)
-    monkeypatch.setattr(kda_decode_module, "_kda_decode_persistent_kernel", spy)
+def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
     generator = _generator(block_v, v_dim)
     num_seqs, heads, k_dim, num_slots = 3, 2, 16, 7
     inputs = {"q": _randn(num_seqs, heads, k_dim, generator=generator),
@@ -205,12 +188,8 @@ def test_kda_decode_value_blocks_match_reference(block_v, v_dim, programs_per_un
     expected_state = state.double()
     expected = ref_kda.kda_decode(**{n: t.double() for n, t in inputs.items()}, gate=gate, state=expected_state,
                                   slot_ids=slot_ids, scale=0.3)
-    config = KdaDecodeConfig(block_v=block_v, num_warps=1, programs_per_unit=programs_per_unit)
     out = _poisoned(lambda: kda_decode(**inputs, gate=gate, state=state, slot_ids=slot_ids, scale=0.3,
-                                       config=config))
-    tiles = -(-v_dim // block_v) * heads * num_seqs
-    persistent = 0 < programs_per_unit * 4 < tiles
-    assert spy.grids == ([(programs_per_unit * 4,)] if persistent else [])
+                                       config=KdaDecodeConfig(block_v=block_v, num_warps=1)))
     torch.testing.assert_close(out.double(), expected, **KDA_OUT_TOL)
     torch.testing.assert_close(state[slot_ids].double(), expected_state[slot_ids], **KDA_STATE_TOL)
     untouched = torch.tensor([s not in (5, 0, 3) for s in range(num_slots)], device=DEVICE)
@@ -223,7 +202,3 @@ def test_kda_decode_rejects_a_block_v_that_is_not_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         kda_decode(q, q, q, q, torch.zeros(1, 1, device=DEVICE), gate, torch.zeros(2, 1, 16, 16, device=DEVICE),
                    torch.zeros(1, dtype=torch.int64, device=DEVICE), 1.0, KdaDecodeConfig(block_v=12, num_warps=1))
-    with pytest.raises(ValueError, match="programs_per_unit"):
-        kda_decode(q, q, q, q, torch.zeros(1, 1, device=DEVICE), gate, torch.zeros(2, 1, 16, 16, device=DEVICE),
-                   torch.zeros(1, dtype=torch.int64, device=DEVICE), 1.0,
-                   KdaDecodeConfig(block_v=16, num_warps=1, programs_per_unit=-1))

@@ -154,11 +154,8 @@ def mla_decode_config(device: torch.device, num_heads: int, batch: int = 1, page
 
 class KdaDecodeConfig(NamedTuple):
     """Launch parameters of KDA decode (kernels/triton/kda_decode.py): one program per (value block, head, seq)."""
-    block_v: int             # value rows of the [V, K] state per tile: V / block_v tiles per (seq, head)
+    block_v: int             # value rows of the [V, K] state per program: V / block_v programs per (seq, head)
     num_warps: int
-    # 0: one program per tile. n > 0: n programs per SM/CU stride over the tiles, each loading its next tile
-    # while it steps the current one (kda_decode's persistent kernel; used only when there are more tiles)
-    programs_per_unit: int = 0
 
 
 # NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
