@@ -4,9 +4,8 @@ Stage 1: program (request b, head block, split s) reads the cache entries of its
 heads (all heads share the latent KV), keeps an online softmax, and writes a float32 partial output and its
 natural-log LSE. Each latent entry is split at v_dim: its first v_dim columns serve both as the key's head part and as
 the value (one load, two tl.dot), the remaining D_latent - v_dim (the rope part) only enter the scores.
-Stage 2: programs (request, head, value block) merge the active splits of the request (a split past the request's
-end writes an LSE of -inf and nothing else) by their LSE, MERGE_S splits per step so that a long context's hundreds
-of splits are not read one dependent load at a time.
+Stage 2: programs (request, head, value block) merge the active splits of the request by their LSE, MERGE_S
+splits per step so that a long context's hundreds of splits are not read one dependent load at a time.
 
 Two ways to address a tile of BLOCK_N entries (`MlaDecodeConfig.tiles`):
 - "page" (BLOCK_N divides page_size): a tile lies inside one page, so one page id is loaded per tile (prefetched a
@@ -78,13 +77,14 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
     batch = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + batch)
     split_start = split * split_len
+    if split_start >= seq_len:
+        return
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                        # [BLOCK_H]
     head_mask = heads < num_heads
-    lse_ptrs = mid_lse_ptr + batch * mid_lse_batch_stride + heads * mid_lse_head_stride + split
-    # q and the split's first page id are read before seq_len is known (both addresses are in bounds for every
-    # split of the grid: split_start < the page table's capacity), so those loads and the seq_len load share one
-    # memory latency instead of queueing behind it.
     cols_v = tl.arange(0, BLOCK_V)
     v_mask = cols_v < v_dim
     cols_rope = v_dim + tl.arange(0, BLOCK_R)
@@ -92,23 +92,16 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
     q_rows = q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride
     q_value_part = tl.load(q_rows + cols_v[None, :], mask=head_mask[:, None] & v_mask[None, :], other=0.0)
     q_rope_part = tl.load(q_rows + cols_rope[None, :], mask=head_mask[:, None] & rope_mask[None, :], other=0.0)
-    row_pages = page_table_ptr + batch * page_table_stride
-    if PAGE_TILES:
-        page = tl.load(row_pages + split_start // PAGE_SIZE).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + batch)
-    if split_start >= seq_len:
-        # past the request's end: an LSE of -inf tells the merge to skip this split's (unwritten) partial output
-        tl.store(lse_ptrs, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=head_mask)
-        return
-    split_end = tl.minimum(split_start + split_len, seq_len)
 
     running_max = tl.full((BLOCK_H,), -3.0e38, tl.float32)
     denominator = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    row_pages = page_table_ptr + batch * page_table_stride
     tile_rows = tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
     if PAGE_TILES:
         # split_start is a multiple of BLOCK_N (split_len is), so every tile starts inside one page
         whole_end = split_start + (split_end - split_start) // BLOCK_N * BLOCK_N
+        page = tl.load(row_pages + split_start // PAGE_SIZE).to(tl.int64)
         for n_start in range(split_start, whole_end, BLOCK_N):
             next_start = n_start + BLOCK_N
             # the next tile's page id is read before this tile is used, so its latency overlaps this tile's loads
@@ -137,36 +130,35 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
                 + split * mid_out_split_stride + cols_v[None, :])
     tl.store(out_ptrs, acc / denominator[:, None], mask=head_mask[:, None] & v_mask[None, :])
     lse = (running_max + tl.log2(denominator)) * ln2                            # natural log
-    tl.store(lse_ptrs, lse, mask=head_mask)
+    tl.store(mid_lse_ptr + batch * mid_lse_batch_stride + heads * mid_lse_head_stride + split, lse, mask=head_mask)
 
 
 @triton.jit
-def _mla_decode_merge_kernel(mid_out_ptr, mid_lse_ptr, out_ptr, lse_ptr,
+def _mla_decode_merge_kernel(mid_out_ptr, mid_lse_ptr, seq_lens_ptr, out_ptr, lse_ptr,
                              mid_out_batch_stride, mid_out_head_stride, mid_out_split_stride,
                              mid_lse_batch_stride, mid_lse_head_stride, out_batch_stride, out_head_stride,
-                             lse_batch_stride, v_dim, num_splits,
+                             lse_batch_stride, v_dim, split_len,
                              BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_V: tl.constexpr):
-    """A split is active when its LSE is finite (the split kernel writes -inf past a request's end), so the LSE
-    loads depend on nothing and the partial loads only on them: two memory latencies, not three."""
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)                   # [BLOCK_V]
+    num_active = tl.cdiv(tl.load(seq_lens_ptr + batch), split_len)
     splits = tl.arange(0, BLOCK_S)
     lse_row = mid_lse_ptr + batch * mid_lse_batch_stride + head * mid_lse_head_stride
-    split_lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))   # [BLOCK_S]
+    split_lse = tl.load(lse_row + splits, mask=splits < num_active, other=float("-inf"))   # [BLOCK_S]
     max_lse = tl.max(split_lse, axis=0)
     total = tl.sum(tl.exp(split_lse - max_lse), axis=0)
     mask = cols < v_dim
     acc = tl.zeros((BLOCK_V,), tl.float32)
     partial_row = mid_out_ptr + batch * mid_out_batch_stride + head * mid_out_head_stride
     chunk = tl.arange(0, MERGE_S)
-    for first in range(0, num_splits, MERGE_S):
+    for first in range(0, num_active, MERGE_S):
         step_splits = first + chunk                                             # [MERGE_S]
-        step_lse = tl.load(lse_row + step_splits, mask=step_splits < num_splits, other=float("-inf"))
-        active = step_lse > float("-inf")
+        active = step_splits < num_active
+        weights = tl.exp(tl.load(lse_row + step_splits, mask=active, other=float("-inf")) - max_lse)
         partials = tl.load(partial_row + step_splits[:, None] * mid_out_split_stride + cols[None, :],
                            mask=active[:, None] & mask[None, :], other=0.0)     # [MERGE_S, BLOCK_V]
-        acc += tl.sum(tl.exp(step_lse - max_lse)[:, None] * partials, axis=0)
+        acc += tl.sum(weights[:, None] * partials, axis=0)
     tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + cols,
              (acc / total).to(out_ptr.dtype.element_ty), mask=mask)
     if tl.program_id(2) == 0:
@@ -247,9 +239,9 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
         PAGE_TILES=config.tiles == "page", num_warps=config.num_warps, num_stages=config.num_stages)
     merge_block_v = min(block_v, config.merge_block_v or block_v)
     _mla_decode_merge_kernel[(batch, num_heads, triton.cdiv(v_dim, merge_block_v))](
-        mid_out, mid_lse, out, lse,
+        mid_out, mid_lse, seq_lens, out, lse,
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), v_dim, num_splits,
+        out.stride(0), out.stride(1), lse.stride(0), v_dim, split_len,
         BLOCK_S=triton.next_power_of_2(num_splits), MERGE_S=config.merge_splits, BLOCK_V=merge_block_v,
         num_warps=4 if merge_block_v * config.merge_splits >= 512 else 1)
     return MlaDecodeOut(out, lse)
