@@ -164,7 +164,9 @@ _KDA_DECODE_NVIDIA: dict[str, KdaDecodeConfig] = {
     # bench/results/tune-decode-nvidia-h200.md (2026-11-29): one warp per 8 value rows won at every N (65.5% of copy
     # at N=16, 78.4% at 64, 89.2% at 256, 93.3% at 1024; block_v 32 / 4 warps gave 52.9 / 72.3 / 82.3 / 86.8%).
     # The 2026-11-30 sweeps (tune-decode-waves / -merge, graphs of >= 8 calls) kept it: 82.4-83.2% at N=64, against
-    # block_v 4, 2 warps, streaming cache hints and programmatic dependent launch, none better beyond noise.
+    # block_v 4, 2 warps, streaming cache hints and programmatic dependent launch, none better beyond noise. A
+    # persistent kernel (4-16 programs per SM striding over the tiles, each loading its next tile while it steps the
+    # current one) lost at every N (tune-decode-persistent-nvidia-h200.md: 82.1% at best against 83.4% at N=64).
     "seqs 1-16": KdaDecodeConfig(block_v=8, num_warps=1),
     "seqs 17-128": KdaDecodeConfig(block_v=8, num_warps=1),
     "seqs 129-512": KdaDecodeConfig(block_v=8, num_warps=1),
