@@ -4,7 +4,9 @@
     ncu --import r.ncu-rep --page source --csv --print-source sass | python -m bench.ncu_report source
 
 `stalls` prints, per kernel, its duration and the stall reasons that cost the most cycles per issued
-instruction (WarpStateStats); `source` prints the SASS lines with the most warp-stall samples (SourceCounters).
+instruction (WarpStateStats); `source` prints the source lines (SASS, or the Triton Python lines with
+--print-source cuda) with the most warp-stall samples, and their share of the instructions executed
+(SourceCounters).
 Both read CSV from stdin and keep going past rows they do not understand: the profiler's column set changes
 between versions, and a half-read profile is still worth more than none.
 """
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"
 STALL_SUFFIX = "_per_issue_active.ratio"
 SAMPLES_COLUMN = "Warp Stall Sampling (All Samples)"
+EXECUTED_COLUMN = "Instructions Executed"
 
 
 def _number(text: str) -> float | None:
@@ -65,11 +68,15 @@ def source_tables(lines: Iterable[str], top: int = 25) -> list[str]:
     for n, (header, body) in enumerate(tables):
         samples = header.index(SAMPLES_COLUMN)
         text = header.index("Source") if "Source" in header else 1
-        scored = [(_number(r[samples]) or 0.0, r[text].strip()) for r in body]
-        total = sum(s for s, _ in scored) or 1.0
-        out.append(f"kernel table {n}: {len(body)} SASS lines, {total:.0f} stall samples; the top {top}:")
-        for score, instr in sorted(scored, reverse=True)[:top]:
-            out.append(f"  {100 * score / total:5.1f}%  {instr[:110]}")
+        executed = header.index(EXECUTED_COLUMN) if EXECUTED_COLUMN in header else None
+        scored = [(_number(r[samples]) or 0.0, 0.0 if executed is None else _number(r[executed]) or 0.0,
+                   r[text].strip()) for r in body]
+        total = sum(s for s, _, _ in scored) or 1.0
+        total_executed = sum(e for _, e, _ in scored) or 1.0
+        out.append(f"kernel table {n}: {len(body)} source lines, {total:.0f} stall samples; the top {top} "
+                   "(share of stall samples, share of instructions executed):")
+        for score, count, line in sorted(scored, reverse=True)[:top]:
+            out.append(f"  {100 * score / total:5.1f}% {100 * count / total_executed:5.1f}%  {line[:110]}")
     return out
 
 

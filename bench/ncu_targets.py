@@ -15,6 +15,7 @@ import torch
 from bench.context import load, make_context
 from bench.cases_kda import HEADS, HEAD_DIM, _gate, prefill_inputs
 from bench.cases_mla import HEADS as MLA_HEADS, LATENT, PAGE, SCALE, V_DIM
+from bench.cases_moe import EXPERTS, LATENT as MOE_LATENT, SITU_BETA, SITU_LINEAR_BETA, TOKENS, TOP_K, WIDTH
 
 
 def _kda_prefill(lengths: tuple[int, ...]):
@@ -49,9 +50,20 @@ def _mla_decode(batch: int, seq_len: int):
     return build
 
 
+def _moe_experts(ctx):
+    x = ctx.randn(TOKENS, MOE_LATENT)
+    w13 = ctx.randn(EXPERTS, 2 * WIDTH, MOE_LATENT, scale=MOE_LATENT ** -0.5)
+    w2 = ctx.randn(EXPERTS, MOE_LATENT, WIDTH, scale=WIDTH ** -0.5)
+    route = load("kernels.torch.moe:moe_route")(ctx.randn(TOKENS, EXPERTS, dtype=torch.float32), None, TOP_K,
+                                                  "sigmoid", True, 1.0)
+    kernel = load("kernels.triton.moe_experts:moe_experts")
+    return lambda: kernel(x, w13, w2, route.weights, route.expert_ids, "situ", SITU_BETA, SITU_LINEAR_BETA)
+
+
 TARGETS = {"kda_prefill_b1": _kda_prefill((32768,)), "kda_prefill_8x4k": _kda_prefill((4096,) * 8),
            "kda_prefill_64x512": _kda_prefill((512,) * 64), "kda_decode_64": _kda_decode(64),
-           "mla_decode_b1": _mla_decode(1, 131072), "mla_decode_b64": _mla_decode(64, 8192)}
+           "mla_decode_b1": _mla_decode(1, 131072), "mla_decode_b64": _mla_decode(64, 8192),
+           "moe_experts": _moe_experts}
 
 
 def main(argv: list[str] | None = None) -> int:

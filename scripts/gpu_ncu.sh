@@ -2,8 +2,9 @@
 # Nsight Compute on one call of each issue-6 kernel (bench.ncu_targets), one nvidia-h200 call (~3-4 min):
 #   bash scripts/gpu_ncu.sh [target ...]      # default: the targets still missed after the fifth session
 # Writes $OUT/ncu-<target>.txt: the details page (speed of light, occupancy, launch, memory, warp state), the
-# stall reasons per kernel and the SASS lines with the most stall samples. The .ncu-rep files are removed (the
-# device tool returns about eight files). --clock-control none: leave the clocks as the machine sets them.
+# stall reasons per kernel and the SASS and Python lines with the most stall samples. The .ncu-rep files stay in
+# /tmp on the device (the device tool returns about eight files). --clock-control none: leave the clocks as the
+# machine sets them.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -25,6 +26,8 @@ for t in "${targets[@]}"; do
       "$NCU" --import "$rep.ncu-rep" --page raw --csv | python3 -m bench.ncu_report stalls
       echo; echo "## $t: hottest SASS lines"
       "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass | python3 -m bench.ncu_report source
+      echo; echo "## $t: hottest source lines (Triton Python)"
+      "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source cuda | python3 -m bench.ncu_report source
       echo; echo "## $t: details"
       "$NCU" --import "$rep.ncu-rep" --page details
       echo; echo "## $t: profiler log (tail)"; tail -n 15 "/tmp/ncu-$t.log"; } > "$txt" 2>&1

@@ -37,10 +37,10 @@ def test_source_tables_split_per_kernel_and_rank_lines_by_samples():
                                              ["0x20", "BAR.SYNC 0x0", "60", "1"], ["0x30", "EXIT", "10", "1"],
                                              header, ["0x10", "HMMA.16816", "5", "1"]]))
     out = source_tables(text.splitlines(), top=2)
-    assert out[0] == "kernel table 0: 3 SASS lines, 100 stall samples; the top 2:"
-    assert out[1].split() == ["60.0%", "BAR.SYNC", "0x0"]
-    assert out[2].split()[0] == "30.0%"
-    assert out[3].startswith("kernel table 1: 1 SASS lines")
+    assert out[0].startswith("kernel table 0: 3 source lines, 100 stall samples; the top 2 ")
+    assert out[1].split() == ["60.0%", "33.3%", "BAR.SYNC", "0x0"]
+    assert out[2].split()[:2] == ["30.0%", "33.3%"]
+    assert out[3].startswith("kernel table 1: 1 source lines")
     assert source_tables(["a,b", "1,2"]) == ["(no source table with a 'Warp Stall Sampling (All Samples)' column)"]
 
 
