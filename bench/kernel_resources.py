@@ -23,7 +23,7 @@ from pathlib import Path
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
 # kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
 # kda_segment_map + kda_segment_scan (+ kda_state per segment) = the segmented state pass (KernelConfig.segment_chunks)
-KERNELS = ("kda_intra", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan")
+KERNELS = ("kda_intra", "kda_intra_two_block", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan")
 STATE_KERNELS = ("kda_state", "kda_state_prefetch")
 
 
@@ -46,14 +46,18 @@ def _tool(name: str) -> Path:
 
 def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
     """(the jit function, its argument types, its constexprs) for one kernel at K3's shape in bf16."""
-    if kernel == "kda_intra":
-        from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel as fn  # noqa: PLC0415
+    if kernel in ("kda_intra", "kda_intra_two_block"):
+        from kernels.triton import kda_chunk_intra  # noqa: PLC0415
+        fn = (kda_chunk_intra.kda_chunk_intra_kernel if kernel == "kda_intra"
+              else kda_chunk_intra.kda_chunk_intra_two_block_kernel)
         pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16",
                     "a_log_ptr": "fp32", "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
                     "w_ptr": "bf16", "u_ptr": "bf16", "qg_ptr": "bf16", "kd_ptr": "bf16", "aqk_ptr": "bf16",
                     "decay_ptr": "fp32"}
         scalars = {"lower_bound": "fp32"}
-        consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, DENSE=True, PRECISION="tf32")
+        consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, PRECISION="tf32")
+        if kernel == "kda_intra":
+            consts["DENSE"] = True
     elif kernel == "kda_segment_map":
         from kernels.triton.kda_chunk_segments import kda_segment_map_kernel as fn  # noqa: PLC0415
         pointers = {"w_ptr": "bf16", "u_ptr": "bf16", "kd_ptr": "bf16", "decay_ptr": "fp32",
@@ -119,6 +123,8 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
 
 
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
+                   ("kda_intra_two_block", 2, 1, None), ("kda_intra_two_block", 4, 1, None),
+                   ("kda_intra_two_block", 8, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
                    ("kda_state_prefetch", 4, 2, 16), ("kda_state_prefetch", 4, 1, 64), ("kda_segment_map", 4, 2, 16),
                    ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16))

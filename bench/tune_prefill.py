@@ -49,7 +49,8 @@ SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(leng
 # (warps, stages) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks 4 warps
 # won everywhere (0.79 ms against 1.35 on 8); 16 warps never won at either chunk size. Tried and dropped
 # (bench/README.md): the pass as two kernels (0.96 ms), over channel tiles, with a register cap, on 2 warps.
-INTRA_GRID = ((4, 1), (4, 2), (8, 1))
+# (warps, stages, two_block): two_block runs 32-token chunks as two 16-token halves (kda_chunk_intra_two_block_kernel).
+INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (2, 1, True), (4, 1, True), (8, 1, True))
 # (block_v, warps, stages, prefetch, segment_chunks) of the state pass, the segmented forms first (a budget cut loses
 # the tail; they lost on 2026-11-30, tune-prefill-segments-nvidia-h200.md: 1.95 ms at best against 1.45 at B=1).
 # Left out after the 2026-11-29 sweeps (tune-prefill-*-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and (32, 8, 1) gave
@@ -61,7 +62,7 @@ STATE_GRID = (tuple((block_v, warps, 2, True, segment) for segment in (16, 32, 6
                       ((16, 4, 2), (16, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)))
               + ((16, 4, 2, False, 0), (64, 4, 1, False, 0), (64, 4, 2, False, 0)))
 PASSES = ("intra", "state")
-SMOKE_INTRA_GRID = ((1, 1), (2, 1))
+SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, False), (1, 1, True))
 SMOKE_STATE_GRID = ((8, 1, 1, False, 0), (16, 1, 1, False, 0), (8, 1, 1, True, 0), (8, 1, 1, True, 2))
 
 
@@ -80,13 +81,13 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
     intra, state = kernel_config("kda_intra"), kernel_config("kda_state")
     intra_grid = SMOKE_INTRA_GRID if smoke else INTRA_GRID
     state_grid = SMOKE_STATE_GRID if smoke else STATE_GRID
-    return ([dataclasses.replace(intra, num_warps=w, num_stages=s) for w, s in intra_grid],
+    return ([dataclasses.replace(intra, num_warps=w, num_stages=s, two_block=two) for w, s, two in intra_grid],
             [dataclasses.replace(state, block_v=b, num_warps=w, num_stages=s, prefetch=prefetch,
                                  segment_chunks=segment) for b, w, s, prefetch, segment in state_grid])
 
 
 def _config_dict(kind: str, config: KernelConfig) -> dict:
-    keys = ("num_warps", "num_stages", "solve_precision") if kind == "intra" else (
+    keys = ("num_warps", "num_stages", "solve_precision", "two_block") if kind == "intra" else (
         "block_v", "num_warps", "num_stages", "prefetch", "segment_chunks")
     return {key: getattr(config, key) for key in keys}
 

@@ -58,6 +58,53 @@ def test_prefill_matches_reference(form, chunk_size, lengths, k_dim, v_dim, inte
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, kda_prefill)
 
 
+# The two-block intra pass (two 16-token halves of a 32-token chunk): every chunk shape it meets (full chunks,
+# checkpoint cuts and sequence tails of <= 16 and 17..31 tokens, one-token sequences), random and saturated
+# lower-bounded gates (strong: about -5 per token, so the in-half column factors reach exp(80)).
+TWO_BLOCK_CASES = [
+    ([1, 40, 15, 1, 70], 16, 32, 32, False),
+    ([32, 17, 64, 33], 16, 16, 0, True),
+    ([50, 24], 32, 16, 24, True),
+    ([96], 16, 32, 16, False),
+]
+
+
+@pytest.mark.parametrize("lengths,k_dim,v_dim,interval,strong", TWO_BLOCK_CASES)
+def test_prefill_two_block_intra_matches_reference(lengths, k_dim, v_dim, interval, strong, monkeypatch):
+    import kernels.triton.kda_prefill as prefill_module
+    launches = []
+    real_kernel = prefill_module.kda_chunk_intra_two_block_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real_kernel[grid]
+
+    table = kernel_config("kda_intra")
+    monkeypatch.setattr(prefill_module, "kda_chunk_intra_two_block_kernel", Spy())
+    monkeypatch.setattr(prefill_module, "kernel_config",
+                        lambda kind: table.__class__(**{**table.__dict__, "two_block": True, "sub_chunk": 16})
+                        if kind == "kda_intra" else kernel_config(kind))
+    _check_prefill_case("lower_bound", 32, lengths, k_dim, v_dim, interval, strong, kda_prefill)
+    assert len(launches) == 1
+
+
+def test_two_block_intra_applies_only_where_its_bound_holds():
+    from kernels.triton.kda_prefill import prepare_kda_prefill
+    inputs = _inputs(40, 2, 16, 16, strong=False)
+    _, state = _state_pool(2, 16, 16)
+    common = dict(cu_seqlens=_cu_seqlens([40]).to(DEVICE), state=state, slot_ids=torch.tensor([0], device=DEVICE),
+                  has_initial_state=torch.tensor([False], device=DEVICE), scale=1.0)
+    config = kernel_config("kda_intra").__class__(two_block=True, sub_chunk=16)
+    for form, lower_bound, chunk, expected in (("lower_bound", -5.0, 32, True), ("lower_bound", -6.0, 32, False),
+                                               ("softplus", -5.0, 32, False), ("lower_bound", -5.0, 16, False),
+                                               ("lower_bound", -5.0, 64, False)):
+        gate = _gate(form, 2, 16, False)._replace(lower_bound=lower_bound)
+        launch, _ = prepare_kda_prefill(**inputs, gate=gate, **common, chunk_size=chunk)
+        assert launch.uses_two_block(config) is expected, (form, lower_bound, chunk)
+        assert launch.uses_two_block(config.__class__(two_block=False, sub_chunk=16)) is False
+
+
 def test_prefill_empty_batch():
     num_heads, k_dim, v_dim = 2, 16, 16
     inputs = _inputs(0, num_heads, k_dim, v_dim, strong=False)

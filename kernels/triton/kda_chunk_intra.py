@@ -188,3 +188,122 @@ def kda_chunk_intra_kernel(
     u0 = tl.dot(t_inv, v_in.to(tl.float32) * beta[:, None], input_precision=PRECISION)            # [BT, BVF]
     tl.store(u_ptr + offs_v, u0.to(DOT_DTYPE), mask=mask_v)
     tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, tl.exp(g_last), mask=cols_k < K)
+
+
+@triton.jit
+def _half_rows(q_ptr, k_ptr, f_ptr, v_ptr, beta_ptr, a_log, dt_bias, lower_bound, start, length, i_h, first_row,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
+               BVF: tl.constexpr, FORM: tl.constexpr):
+    """Rows first_row .. first_row + SUB of a chunk: normalised q, k, the gate g (0 past the chunk's length), v in
+    its input dtype, sigmoid(beta) (0 past the length), and the addressing of the rows."""
+    rows = first_row + tl.arange(0, SUB)
+    cols_k = tl.arange(0, BK)
+    cols_v = tl.arange(0, BVF)
+    row_ok = rows < length
+    head_row = (start + rows) * H + i_h
+    mask_k = row_ok[:, None] & (cols_k < K)[None, :]
+    mask_v = row_ok[:, None] & (cols_v < V)[None, :]
+    offs_k = head_row[:, None] * K + cols_k[None, :]
+    offs_v = head_row[:, None] * V + cols_v[None, :]
+    v_in = tl.load(v_ptr + offs_v, mask=mask_v, other=0.0)
+    q = tl.load(q_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    f = tl.load(f_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    g = tl.where(mask_k, gate_log_decay(f, a_log, dt_bias[None, :], lower_bound, FORM), 0.0)
+    beta = tl.where(row_ok, tl.sigmoid(tl.load(beta_ptr + head_row, mask=row_ok, other=0.0).to(tl.float32)), 0.0)
+    return q, k, g, v_in, beta, row_ok, head_row, mask_k, mask_v, offs_k, offs_v
+
+
+@triton.jit
+def kda_chunk_intra_two_block_kernel(
+        q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr,
+        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, lower_bound,
+        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
+        BVF: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr):
+    """The same outputs as kda_chunk_intra_kernel for chunks of BT = 2 SUB tokens with the lower-bounded gate,
+    computed on the two SUB-row halves of the chunk instead of masked BT-row tiles.
+
+    With c0 = G at the end of half 0 (G_{-1} = 0 before it) and G1 continuing from c0:
+        pairs inside half 0:    exp(G_t - G_s) = exp(G0_t) exp(-G0_s)
+        pairs inside half 1:    exp(G_t - G_s) = exp(G1_t - c0) exp(c0 - G1_s)
+        half 1 on half 0:       exp(G_t - G_s) = exp(G1_t - c0) exp(c0 - G0_s)
+    Row factors are <= 1, column factors across halves <= 1, and inside a half <= exp(SUB |lower_bound|), which
+    the wrapper keeps <= exp(MAX_DENSE_EXPONENT). Every factor is an exp of a half tile (four of them), where the
+    masked form takes seven of full tiles; the solve is two SUB x SUB inverses and T10 = -T11 A10 T00.
+    """
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
+    start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
+    length = tl.load(chunk_len_ptr + i_chunk)
+    cols_k = tl.arange(0, BK)
+    a_log = tl.load(a_log_ptr + i_h)
+    dt_bias = tl.load(dt_bias_ptr + i_h * K + cols_k, mask=cols_k < K, other=0.0)
+    DOT_DTYPE = w_ptr.dtype.element_ty
+    q0, k0, g0, v0, beta0, ok0, hr0, mk0, mv0, offk0, ov0 = _half_rows(
+        q_ptr, k_ptr, f_ptr, v_ptr, beta_ptr, a_log, dt_bias, lower_bound, start, length, i_h, 0,
+        H, K, V, SUB, BK, BVF, FORM)
+    q1, k1, g1, v1, beta1, ok1, hr1, mk1, mv1, offk1, ov1 = _half_rows(
+        q_ptr, k_ptr, f_ptr, v_ptr, beta_ptr, a_log, dt_bias, lower_bound, start, length, i_h, SUB,
+        H, K, V, SUB, BK, BVF, FORM)
+    G0 = tl.cumsum(g0, 0)                                                       # [SUB, BK]
+    c0 = tl.sum(g0, 0)                                                          # [BK] G at the end of half 0
+    c1 = tl.sum(g1, 0)
+    G1r = tl.cumsum(g1, 0)                                                      # G1 - c0, in [SUB lb, 0]
+    e_c0 = tl.exp(c0)
+    e_c1 = tl.exp(c1)
+
+    e_g0 = tl.exp(G0)                                                           # <= 1
+    e_ng0 = tl.exp(-G0)                                                         # <= exp(SUB |lb|)
+    e_g1r = tl.exp(G1r)                                                         # <= 1
+    e_ng1r = tl.exp(-G1r)                                                       # <= exp(SUB |lb|)
+    qg0 = q0 * e_g0
+    kg0 = k0 * e_g0
+    qr1 = q1 * e_g1r
+    kr1 = k1 * e_g1r
+    tl.store(qg_ptr + offk0, qg0.to(DOT_DTYPE), mask=mk0)
+    tl.store(qg_ptr + offk1, (qr1 * e_c0[None, :]).to(DOT_DTYPE), mask=mk1)    # q1 exp(G1)
+
+    kc0 = (k0 * e_ng0).to(DOT_DTYPE)                                            # k0 exp(-G0)
+    kx0 = k0 * (e_ng0 * e_c0[None, :])                                          # k0 exp(c0 - G0) <= |k0|
+    kc1 = k1 * e_ng1r                                                           # k1 exp(c0 - G1)
+    rows = tl.arange(0, SUB)
+    lower = rows[:, None] > rows[None, :]
+    lower_eq = rows[:, None] >= rows[None, :]
+    aqk00 = tl.where(lower_eq, tl.dot(qg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
+    akk00 = tl.where(lower, tl.dot(kg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
+    aqk11 = tl.where(lower_eq, tl.dot(qr1.to(DOT_DTYPE), tl.trans(kc1.to(DOT_DTYPE)), input_precision=PRECISION),
+                     0.0)
+    akk11 = tl.where(lower, tl.dot(kr1.to(DOT_DTYPE), tl.trans(kc1.to(DOT_DTYPE)), input_precision=PRECISION), 0.0)
+    kx0_in = kx0.to(DOT_DTYPE)
+    aqk10 = tl.dot(qr1.to(DOT_DTYPE), tl.trans(kx0_in), input_precision=PRECISION)
+    akk10 = tl.dot(kr1.to(DOT_DTYPE), tl.trans(kx0_in), input_precision=PRECISION)
+
+    # Aqk rows of half 0 are [A00 | 0], of half 1 [A10 | A11] (the state pass reads all BT columns)
+    cols = tl.arange(0, SUB)
+    tl.store(aqk_ptr + hr0[:, None] * BT + cols[None, :], aqk00.to(DOT_DTYPE), mask=ok0[:, None])
+    tl.store(aqk_ptr + hr0[:, None] * BT + SUB + cols[None, :], tl.zeros([SUB, SUB], DOT_DTYPE), mask=ok0[:, None])
+    tl.store(aqk_ptr + hr1[:, None] * BT + cols[None, :], aqk10.to(DOT_DTYPE), mask=ok1[:, None])
+    tl.store(aqk_ptr + hr1[:, None] * BT + SUB + cols[None, :], aqk11.to(DOT_DTYPE), mask=ok1[:, None])
+
+    t00 = _unit_lower_inverse(akk00 * beta0[:, None], rows, SUB, PRECISION)
+    t11 = _unit_lower_inverse(akk11 * beta1[:, None], rows, SUB, PRECISION)
+    t10 = -tl.dot(t11, tl.dot(akk10 * beta1[:, None], t00, input_precision=PRECISION), input_precision=PRECISION)
+
+    kb0 = kg0 * beta0[:, None]                                                  # beta k exp(G), half 0
+    kb1 = kr1 * e_c0[None, :] * beta1[:, None]
+    w0 = tl.dot(t00, kb0, input_precision=PRECISION)
+    w1 = tl.dot(t10, kb0, input_precision=PRECISION) + tl.dot(t11, kb1, input_precision=PRECISION)
+    tl.store(w_ptr + offk0, w0.to(DOT_DTYPE), mask=mk0)
+    tl.store(w_ptr + offk1, w1.to(DOT_DTYPE), mask=mk1)
+    tl.store(kd_ptr + offk0, (kx0 * e_c1[None, :]).to(DOT_DTYPE), mask=mk0)   # k0 exp(G_last - G0)
+    tl.store(kd_ptr + offk1, (kc1 * e_c1[None, :]).to(DOT_DTYPE), mask=mk1)   # k1 exp(G_last - G1)
+    tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, e_c0 * e_c1, mask=cols_k < K)
+
+    vb0 = v0.to(tl.float32) * beta0[:, None]
+    vb1 = v1.to(tl.float32) * beta1[:, None]
+    u0 = tl.dot(t00, vb0, input_precision=PRECISION)
+    u1 = tl.dot(t10, vb0, input_precision=PRECISION) + tl.dot(t11, vb1, input_precision=PRECISION)
+    tl.store(u_ptr + ov0, u0.to(DOT_DTYPE), mask=mv0)
+    tl.store(u_ptr + ov1, u1.to(DOT_DTYPE), mask=mv1)

@@ -15,7 +15,7 @@ import triton
 
 from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
-from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel
+from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel, kda_chunk_intra_two_block_kernel
 from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
@@ -247,6 +247,15 @@ class PrefillLaunch:
         config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
         dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
+        if self.uses_two_block(config):
+            kda_chunk_intra_two_block_kernel[(self.num_chunks, self.num_heads)](
+                self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
+                self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
+                float(self.gate.lower_bound),
+                H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, SUB=sub_chunk,
+                BK=pow2_at_least(self.k_dim), BVF=pow2_at_least(self.v_dim), FORM=self.form,
+                PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
+            return
         kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
@@ -254,6 +263,13 @@ class PrefillLaunch:
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def uses_two_block(self, config: KernelConfig) -> bool:
+        """config.two_block applies to chunks of exactly two sub-chunks with the lower-bounded gate, where every
+        factor inside a half stays <= exp(sub_chunk |lower_bound|) <= exp(MAX_DENSE_EXPONENT)."""
+        sub_chunk = min(config.sub_chunk, self.chunk_size)
+        return (config.two_block and self.form == 1 and self.chunk_size == 2 * sub_chunk
+                and sub_chunk * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT)
 
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at

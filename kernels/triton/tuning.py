@@ -27,6 +27,9 @@ class KernelConfig:
     num_stages: int = 1
     # tl.dot input_precision for float32 operands (the triangular solve, W, U0) when the inputs are 16-bit.
     solve_precision: str = "ieee"
+    # kda_intra: chunks of 2 * sub_chunk tokens with the lower-bounded gate run as two halves
+    # (kda_chunk_intra_two_block_kernel) instead of masked full-chunk tiles; other chunks ignore it
+    two_block: bool = False
     # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
     prefetch: bool = False
     # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off. No
