@@ -59,7 +59,7 @@ INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (2, 1, True), (4, 1, 
 STATE_GRID = (tuple((block_v, warps, 2, True, segment) for segment in (16, 32, 64)
                     for block_v, warps in ((16, 4), (32, 4)))
               + tuple((block_v, warps, stages, True, 0) for block_v, warps, stages in
-                      ((16, 4, 2), (16, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2)))
+                      ((16, 4, 2), (16, 8, 2), (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2)))
               + ((16, 4, 2, False, 0), (64, 4, 1, False, 0), (64, 4, 2, False, 0)))
 PASSES = ("intra", "state")
 SMOKE_INTRA_GRID = ((1, 1, False), (2, 1, False), (1, 1, True))

@@ -247,63 +247,59 @@ def kda_chunk_intra_two_block_kernel(
     q1, k1, g1, v1, beta1, ok1, hr1, mk1, mv1, offk1, ov1 = _half_rows(
         q_ptr, k_ptr, f_ptr, v_ptr, beta_ptr, a_log, dt_bias, lower_bound, start, length, i_h, SUB,
         H, K, V, SUB, BK, BVF, FORM)
-    G0 = tl.cumsum(g0, 0)                                                       # [SUB, BK]
     c0 = tl.sum(g0, 0)                                                          # [BK] G at the end of half 0
-    c1 = tl.sum(g1, 0)
-    G1r = tl.cumsum(g1, 0)                                                      # G1 - c0, in [SUB lb, 0]
     e_c0 = tl.exp(c0)
-    e_c1 = tl.exp(c1)
-
-    e_g0 = tl.exp(G0)                                                           # <= 1
-    e_ng0 = tl.exp(-G0)                                                         # <= exp(SUB |lb|)
-    e_g1r = tl.exp(G1r)                                                         # <= 1
-    e_ng1r = tl.exp(-G1r)                                                       # <= exp(SUB |lb|)
-    qg0 = q0 * e_g0
-    kg0 = k0 * e_g0
-    qr1 = q1 * e_g1r
-    kr1 = k1 * e_g1r
-    tl.store(qg_ptr + offk0, qg0.to(DOT_DTYPE), mask=mk0)
-    tl.store(qg_ptr + offk1, (qr1 * e_c0[None, :]).to(DOT_DTYPE), mask=mk1)    # q1 exp(G1)
-
-    kc0 = (k0 * e_ng0).to(DOT_DTYPE)                                            # k0 exp(-G0)
-    kx0 = k0 * (e_ng0 * e_c0[None, :])                                          # k0 exp(c0 - G0) <= |k0|
-    kc1 = k1 * e_ng1r                                                           # k1 exp(c0 - G1)
+    e_c1 = tl.exp(tl.sum(g1, 0))                                                # exp(G_last) = e_c0 e_c1
+    tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, e_c0 * e_c1, mask=cols_k < K)
     rows = tl.arange(0, SUB)
     lower = rows[:, None] > rows[None, :]
     lower_eq = rows[:, None] >= rows[None, :]
-    aqk00 = tl.where(lower_eq, tl.dot(qg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
-    akk00 = tl.where(lower, tl.dot(kg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
-    aqk11 = tl.where(lower_eq, tl.dot(qr1.to(DOT_DTYPE), tl.trans(kc1.to(DOT_DTYPE)), input_precision=PRECISION),
-                     0.0)
-    akk11 = tl.where(lower, tl.dot(kr1.to(DOT_DTYPE), tl.trans(kc1.to(DOT_DTYPE)), input_precision=PRECISION), 0.0)
-    kx0_in = kx0.to(DOT_DTYPE)
-    aqk10 = tl.dot(qr1.to(DOT_DTYPE), tl.trans(kx0_in), input_precision=PRECISION)
-    akk10 = tl.dot(kr1.to(DOT_DTYPE), tl.trans(kx0_in), input_precision=PRECISION)
-
-    # Aqk rows of half 0 are [A00 | 0], of half 1 [A10 | A11] (the state pass reads all BT columns)
     cols = tl.arange(0, SUB)
+    # Each half in turn, in the order its tiles are used, so that few [SUB, BK] float32 tiles are live at once.
+    # Half 0 (reference G_{-1} = 0): row factors exp(G0), column factors exp(-G0) and exp(c0 - G0).
+    G0 = tl.cumsum(g0, 0)                                                       # [SUB, BK]
+    e_g0 = tl.exp(G0)                                                           # <= 1
+    qg0 = (q0 * e_g0).to(DOT_DTYPE)
+    tl.store(qg_ptr + offk0, qg0, mask=mk0)
+    kg0 = k0 * e_g0                                                             # k exp(G), half 0
+    e_ng0 = tl.exp(-G0)                                                         # <= exp(SUB |lb|)
+    kc0 = (k0 * e_ng0).to(DOT_DTYPE)
+    kx0 = k0 * (e_ng0 * e_c0[None, :])                                          # k0 exp(c0 - G0) <= |k0|
+    tl.store(kd_ptr + offk0, (kx0 * e_c1[None, :]).to(DOT_DTYPE), mask=mk0)   # k0 exp(G_last - G0)
+    kx0 = kx0.to(DOT_DTYPE)
+    aqk00 = tl.where(lower_eq, tl.dot(qg0, tl.trans(kc0), input_precision=PRECISION), 0.0)
     tl.store(aqk_ptr + hr0[:, None] * BT + cols[None, :], aqk00.to(DOT_DTYPE), mask=ok0[:, None])
     tl.store(aqk_ptr + hr0[:, None] * BT + SUB + cols[None, :], tl.zeros([SUB, SUB], DOT_DTYPE), mask=ok0[:, None])
-    tl.store(aqk_ptr + hr1[:, None] * BT + cols[None, :], aqk10.to(DOT_DTYPE), mask=ok1[:, None])
-    tl.store(aqk_ptr + hr1[:, None] * BT + SUB + cols[None, :], aqk11.to(DOT_DTYPE), mask=ok1[:, None])
-
+    akk00 = tl.where(lower, tl.dot(kg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
     t00 = _unit_lower_inverse(akk00 * beta0[:, None], rows, SUB, PRECISION)
+    kb0 = kg0 * beta0[:, None]                                                  # beta k exp(G), half 0
+    tl.store(w_ptr + offk0, tl.dot(t00, kb0, input_precision=PRECISION).to(DOT_DTYPE), mask=mk0)
+
+    # Half 1 (reference c0): row factors exp(G1 - c0), column factors exp(c0 - G1).
+    G1r = tl.cumsum(g1, 0)                                                      # G1 - c0, in [SUB lb, 0]
+    e_g1r = tl.exp(G1r)                                                         # <= 1
+    qr1 = q1 * e_g1r
+    tl.store(qg_ptr + offk1, (qr1 * e_c0[None, :]).to(DOT_DTYPE), mask=mk1)    # q1 exp(G1)
+    qr1 = qr1.to(DOT_DTYPE)
+    kr1 = k1 * e_g1r
+    kc1 = k1 * tl.exp(-G1r)                                                     # k1 exp(c0 - G1) <= exp(SUB |lb|)
+    tl.store(kd_ptr + offk1, (kc1 * e_c1[None, :]).to(DOT_DTYPE), mask=mk1)   # k1 exp(G_last - G1)
+    kc1 = kc1.to(DOT_DTYPE)
+    kr1_in = kr1.to(DOT_DTYPE)
+    aqk10 = tl.dot(qr1, tl.trans(kx0), input_precision=PRECISION)
+    tl.store(aqk_ptr + hr1[:, None] * BT + cols[None, :], aqk10.to(DOT_DTYPE), mask=ok1[:, None])
+    aqk11 = tl.where(lower_eq, tl.dot(qr1, tl.trans(kc1), input_precision=PRECISION), 0.0)
+    tl.store(aqk_ptr + hr1[:, None] * BT + SUB + cols[None, :], aqk11.to(DOT_DTYPE), mask=ok1[:, None])
+    akk10 = tl.dot(kr1_in, tl.trans(kx0), input_precision=PRECISION)
+    akk11 = tl.where(lower, tl.dot(kr1_in, tl.trans(kc1), input_precision=PRECISION), 0.0)
     t11 = _unit_lower_inverse(akk11 * beta1[:, None], rows, SUB, PRECISION)
     t10 = -tl.dot(t11, tl.dot(akk10 * beta1[:, None], t00, input_precision=PRECISION), input_precision=PRECISION)
-
-    kb0 = kg0 * beta0[:, None]                                                  # beta k exp(G), half 0
-    kb1 = kr1 * e_c0[None, :] * beta1[:, None]
-    w0 = tl.dot(t00, kb0, input_precision=PRECISION)
+    kb1 = kr1 * e_c0[None, :] * beta1[:, None]                                 # beta k exp(G), half 1
     w1 = tl.dot(t10, kb0, input_precision=PRECISION) + tl.dot(t11, kb1, input_precision=PRECISION)
-    tl.store(w_ptr + offk0, w0.to(DOT_DTYPE), mask=mk0)
     tl.store(w_ptr + offk1, w1.to(DOT_DTYPE), mask=mk1)
-    tl.store(kd_ptr + offk0, (kx0 * e_c1[None, :]).to(DOT_DTYPE), mask=mk0)   # k0 exp(G_last - G0)
-    tl.store(kd_ptr + offk1, (kc1 * e_c1[None, :]).to(DOT_DTYPE), mask=mk1)   # k1 exp(G_last - G1)
-    tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, e_c0 * e_c1, mask=cols_k < K)
 
     vb0 = v0.to(tl.float32) * beta0[:, None]
-    vb1 = v1.to(tl.float32) * beta1[:, None]
-    u0 = tl.dot(t00, vb0, input_precision=PRECISION)
-    u1 = tl.dot(t10, vb0, input_precision=PRECISION) + tl.dot(t11, vb1, input_precision=PRECISION)
-    tl.store(u_ptr + ov0, u0.to(DOT_DTYPE), mask=mv0)
+    tl.store(u_ptr + ov0, tl.dot(t00, vb0, input_precision=PRECISION).to(DOT_DTYPE), mask=mv0)
+    u1 = tl.dot(t10, vb0, input_precision=PRECISION) + tl.dot(t11, v1.to(tl.float32) * beta1[:, None],
+                                                             input_precision=PRECISION)
     tl.store(u_ptr + ov1, u1.to(DOT_DTYPE), mask=mv1)

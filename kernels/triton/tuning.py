@@ -44,7 +44,9 @@ _NVIDIA: dict[str, KernelConfig] = {
     # for the pass at 32K tokens against 1.59 (split) and 1.84 (one kernel, 8 warps) with 64-token chunks, which
     # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-chunks-nvidia-h200.md,
     # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
-    "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32"),
+    # two_block (2026-11-30, tune-prefill-two-block-nvidia-h200.md): 0.61 ms at 32K tokens on 4 warps against
+    # 0.76 for the masked form (0.67 on 2 warps, 0.99 on 8).
+    "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32", two_block=True),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
     # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
