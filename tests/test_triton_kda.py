@@ -252,8 +252,13 @@ def test_prefill_rejects_bad_arguments():
 
 
 def test_kernel_configs_cover_both_vendors():
+    same_tile = 0
     for kind in KINDS:
         nvidia, amd = kernel_config(kind, "nvidia"), kernel_config(kind, "amd")
-        assert amd.num_warps <= nvidia.num_warps                     # wave64: the same tile needs fewer warps
+        if (nvidia.block_t, nvidia.block_c, nvidia.block_v, nvidia.two_block) == (amd.block_t, amd.block_c,
+                                                                                  amd.block_v, amd.two_block):
+            same_tile += 1
+            assert amd.num_warps <= nvidia.num_warps                 # wave64: the same tile needs fewer warps
+    assert same_tile >= 3
     with pytest.raises(ValueError, match="vendor"):
         kernel_config("kda_state", "intel")

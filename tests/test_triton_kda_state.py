@@ -123,19 +123,22 @@ def test_prefill_with_the_amd_table_matches_reference(case):
                         run)
 
 
-def test_state_pass_takes_wide_value_blocks_only_when_the_batch_fills_the_device():
-    """kda_state_wide when sequences x heads x value blocks give >= 1 program per compute unit (16-bit inputs, or
-    the interpreter), else kda_state; both configs give the reference's output (the many-sequence PREFILL_CASES
-    run the wide one under the interpreter)."""
+def test_state_pass_takes_wide_value_blocks_only_past_one_resident_wave_of_narrow_programs():
+    """kda_state while its programs (sequences x heads x value blocks) can all be resident at once
+    (NARROW_STATE_PROGRAMS_PER_UNIT per compute unit), else kda_state_wide (16-bit inputs, or the interpreter); both
+    configs give the reference's output (the many-sequence PREFILL_CASES run the wide one under the interpreter)."""
+    from kernels.triton.kda_prefill import NARROW_STATE_PROGRAMS_PER_UNIT
     from kernels.triton.tuning_ops import compute_units
     num_heads, k_dim, v_dim = 2, 16, 32
     gate = _gate("lower_bound", num_heads, k_dim, False)
     wide, narrow = kernel_config("kda_state_wide"), kernel_config("kda_state")
     assert wide.block_v > narrow.block_v
-    enough = -(-compute_units(DEVICE) // num_heads)               # sequences that fill the device at one block
+    per_seq = num_heads * -(-v_dim // narrow.block_v)                # narrow programs per sequence
+    resident = NARROW_STATE_PROGRAMS_PER_UNIT * compute_units(DEVICE)
+    most = resident // per_seq                                      # the most sequences still in one wave
     # float32 on a real GPU always keeps kda_state (shared memory); the interpreter has no such limit
     wide_ok = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    for num_seqs, expected in ((1, narrow), (enough - 1, narrow), (enough, wide if wide_ok else narrow)):
+    for num_seqs, expected in ((1, narrow), (most, narrow), (most + 1, wide if wide_ok else narrow)):
         lengths = [3] * num_seqs
         inputs = _inputs(sum(lengths), num_heads, k_dim, v_dim, strong=False)
         state = torch.zeros(num_seqs, num_heads, v_dim, k_dim, device=DEVICE)

@@ -22,6 +22,9 @@ from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
 
+# kda_state (block_v 16, 4 warps, 235 registers per thread on sm_90) runs two programs per SM at once; past that
+# many programs the state pass would run in waves, and the wide value blocks win (see PrefillLaunch.state_config).
+NARROW_STATE_PROGRAMS_PER_UNIT = 2
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
 MAX_DENSE_EXPONENT = 80.0
@@ -272,11 +275,11 @@ class PrefillLaunch:
                 and sub_chunk * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT)
 
     def state_config(self) -> KernelConfig:
-        """The table's config for pass 2: `kda_state_wide` when this batch gives at least one program per SM at
-        its value block, else `kda_state` (smaller value blocks: more programs for few long sequences). On an H200
-        at 32-token chunks (bench/results/tune-prefill-prefetch-nvidia-h200.md) the wide blocks won at 8 x 4K (192
-        programs, 0.39 ms against 0.72) and 64 x 512 (0.34 against 0.73), and lost at B=1 (24 programs, 2.16 ms
-        against 1.46).
+        """The table's config for pass 2: `kda_state` (narrow value blocks: many sequential programs for few long
+        sequences) while all of its programs can be resident at once (NARROW_STATE_PROGRAMS_PER_UNIT per SM/CU),
+        else `kda_state_wide`. On an H200 at 32-token chunks (bench/results/tune-prefill-wide128-nvidia-h200.md) the
+        wide blocks won at 8 x 4K (0.31 ms against 0.72) and 64 x 512 (0.26 against 0.73), and lost at B=1 (2.60
+        against 1.47), where the narrow config's 96 programs all run at once.
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
@@ -284,12 +287,14 @@ class PrefillLaunch:
         A table entry with segment_chunks keeps it only when some sequence spans at least two segments of that
         many chunks; otherwise the segmented pass would add its map and scan for one segment per sequence.
         """
-        wide = kernel_config("kda_state_wide")
-        programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, wide.block_v)
+        narrow = kernel_config("kda_state")
+        programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, narrow.block_v)
         if self.work_dtype == torch.float32 and not is_interpreted():
-            config = kernel_config("kda_state")
+            config = narrow
+        elif programs > NARROW_STATE_PROGRAMS_PER_UNIT * compute_units(self.q.device):
+            config = kernel_config("kda_state_wide")
         else:
-            config = wide if programs >= compute_units(self.q.device) else kernel_config("kda_state")
+            config = narrow
         longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
         if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
             config = dataclasses.replace(config, segment_chunks=0)

@@ -44,17 +44,19 @@ _NVIDIA: dict[str, KernelConfig] = {
     # for the pass at 32K tokens against 1.59 (split) and 1.84 (one kernel, 8 warps) with 64-token chunks, which
     # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-chunks-nvidia-h200.md,
     # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
-    # two_block (2026-11-30, tune-prefill-two-block-nvidia-h200.md): 0.61 ms at 32K tokens on 4 warps against
-    # 0.76 for the masked form (0.67 on 2 warps, 0.99 on 8).
-    "kda_intra": KernelConfig(block_t=32, num_warps=4, solve_precision="tf32", two_block=True),
+    # two_block (2026-11-30): 0.61 ms at 32K tokens on 4 warps against 0.76 for the masked form
+    # (tune-prefill-two-block-nvidia-h200.md, 77d559e); with its body in use order (095aacb), 0.59 on 2 warps
+    # against 0.65 on 4 (tune-prefill-wide128-nvidia-h200.md).
+    "kda_intra": KernelConfig(block_t=32, num_warps=2, solve_precision="tf32", two_block=True),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
     # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
-    # When the batch alone fills the GPU (>= 1 program per SM at this block_v; see kda_prefill): at 32-token chunks
-    # 8 x 4K took 0.39 ms and 64 x 512 0.34 with prefetch (0.45 / 0.41 without, 0.72 / 0.73 with kda_state's
-    # block_v 16). In the sweeps (Triton 3.6) three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32
-    # on 4 warps, 32 on 8): the float64 check rejected them. Any new entry here must come out of that checked sweep.
-    "kda_state_wide": KernelConfig(block_v=64, num_warps=4, num_stages=2, prefetch=True),
+    # When kda_state's programs would not all be resident at once (see kda_prefill's state_config): whole 128-wide
+    # value blocks on 8 warps, 0.31 ms at 8 x 4K and 0.26 at 64 x 512 against 0.39 / 0.34 for 64-wide blocks on 4
+    # (tune-prefill-wide128-nvidia-h200.md, 2026-11-30; 0.72 / 0.73 with kda_state's). In the sweeps (Triton 3.6)
+    # three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8): the float64 check
+    # rejected them. Any new entry here must come out of that checked sweep.
+    "kda_state_wide": KernelConfig(block_v=128, num_warps=8, num_stages=2, prefetch=True),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=4),
     "conv_decode": KernelConfig(block_c=256, num_warps=4),
 }
