@@ -237,7 +237,11 @@ class PrefillLaunch:
         self.aqk = torch.empty(num_tokens, self.num_heads, chunk_size, **work)
         self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
                                  device=device)                                # exp(G_last)
-        self.has_init = has_initial_state.to(device=device, dtype=torch.int32)
+        # the kernels test it with `!= 0`: a bool or int32 tensor already on the device is passed as it is, so a
+        # prefill launches no conversion kernel for it (the engine passes bool)
+        self.has_init = has_initial_state.to(device=device)
+        if self.has_init.dtype not in (torch.bool, torch.int32):
+            self.has_init = self.has_init.to(torch.int32)
 
     def _precision(self, config: KernelConfig) -> str:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
