@@ -33,8 +33,10 @@ def stall_table(rows: list[list[str]], top: int = 8) -> list[str]:
     """rows: the raw page (a header of metric names, a row of units, then one row per kernel)."""
     if len(rows) < 3:
         return ["(no kernel rows in the raw page)"]
-    header = rows[0]
+    header, units = rows[0], rows[1]
     col = {name: i for i, name in enumerate(header)}
+    # the raw page picks one unit per column (usecond, msecond, ...) and names it in the units row
+    duration_unit = units[col["gpu__time_duration.sum"]] if "gpu__time_duration.sum" in col else ""
     lines = []
     for row in rows[2:]:
         if len(row) != len(header):
@@ -50,7 +52,8 @@ def stall_table(rows: list[list[str]], top: int = 8) -> list[str]:
         stalls.sort(reverse=True)
         total = sum(v for v, _ in stalls)
         shown = ", ".join(f"{reason} {value:.2f}" for value, reason in stalls[:top])
-        lines.append(f"{name[:60]}: {duration} ns; stall cycles per issued instruction {total:.2f}: {shown}")
+        lines.append(f"{name[:60]}: {duration} {duration_unit}; stall cycles per issued instruction {total:.2f}: "
+                     f"{shown}")
     return lines or ["(no row matched the header)"]
 
 

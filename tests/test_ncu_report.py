@@ -21,13 +21,13 @@ def test_stall_table_ranks_reasons_per_kernel_and_skips_other_metrics():
               "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
               "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", "sm__throughput.avg.pct"]
-    rows = [header, ["", "ns", "ratio", "ratio", "ratio", "%"],
+    rows = [header, ["", "usecond", "ratio", "ratio", "ratio", "%"],
             ["kda_chunk_intra_kernel", "800,000", "1.5", "7.25", "0.5", "99"],
             ["merge", "3000", "0.1", "0.2", "3", "1"]]
     lines = stall_table(rows, top=2)
-    assert lines[0] == ("kda_chunk_intra_kernel: 800,000 ns; stall cycles per issued instruction 9.25: "
+    assert lines[0] == ("kda_chunk_intra_kernel: 800,000 usecond; stall cycles per issued instruction 9.25: "
                         "long_scoreboard 7.25, barrier 1.50")
-    assert lines[1].startswith("merge: 3000 ns; stall cycles per issued instruction 3.30: wait 3.00")
+    assert lines[1].startswith("merge: 3000 usecond; stall cycles per issued instruction 3.30: wait 3.00")
     assert stall_table(rows[:2]) == ["(no kernel rows in the raw page)"]
 
 
