@@ -22,6 +22,7 @@ class BenchContext:
     smoke: bool
     timer: Timer
     generator: torch.Generator   # CPU generator: the same inputs for a given seed on any device
+    repeats: int = 1             # > 1: cases that support it time ours and the anchor alternately this many times
 
     def randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Fresh random values (never zeros: zeros hide unwritten outputs and can run faster than real data)."""
@@ -32,7 +33,7 @@ class BenchContext:
         return SMOKE_TOL if self.smoke else gpu_tolerance
 
 
-def make_context(smoke: bool, seed: int = 0) -> BenchContext:
+def make_context(smoke: bool, seed: int = 0, repeats: int = 1) -> BenchContext:
     if smoke:
         device, dtype = torch.device("cpu"), torch.float32
     else:
@@ -44,7 +45,9 @@ def make_context(smoke: bool, seed: int = 0) -> BenchContext:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     generator = torch.Generator().manual_seed(seed)
-    return BenchContext(device, dtype, smoke, Timer(device), generator)
+    if repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {repeats}")
+    return BenchContext(device, dtype, smoke, Timer(device), generator, repeats)
 
 
 def load(target: str):

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny float32 shapes on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time ours and the anchor alternately this many times (KDA prefill and decode rows) "
+                             "and report the medians and the spread of the speed-ups")
     return parser.parse_args(argv)
 
 
@@ -68,7 +71,7 @@ def run(argv: list[str] | None = None) -> list[Row]:
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke runs Triton kernels on the CPU and needs TRITON_INTERPRET=1 set before Python "
                          "starts: run `TRITON_INTERPRET=1 python -m bench.kernels --smoke`")
-    ctx = make_context(args.smoke, args.seed)
+    ctx = make_context(args.smoke, args.seed, args.repeats)
     out_dir = Path(args.out or os.environ.get("OUT") or Path(__file__).parent / "results")
     env = environment(ctx.device, args.smoke)
     print(f"k3core kernel benchmark: {env['device']}, torch {env['torch']}, triton {env['triton']}, "

@@ -41,6 +41,32 @@ class Timing:
     method: str                 # "do_bench median", "CUDA graph of 8 calls, do_bench median", "host clock (smoke)"
 
 
+@dataclass(frozen=True)
+class PairTiming:
+    """Ours and the anchor timed alternately, `repeats` times each: the medians, and every repeat's speed-up."""
+    ours_ms: float
+    anchor_ms: float
+    speedups: tuple[float, ...]     # anchor / ours of each repeat, in order
+
+    def note(self, anchor_name: str) -> str:
+        low, high = min(self.speedups), max(self.speedups)
+        return (f"{len(self.speedups)} alternating timings of ours and {anchor_name} (medians above): speed-up "
+                f"median {statistics.median(self.speedups):.3f}, range {low:.3f}-{high:.3f}")
+
+
+def time_pair(time_ours: Callable[[], Timing], time_anchor: Callable[[], Timing], repeats: int) -> PairTiming:
+    """Time ours, then the anchor, `repeats` times over: slow drift of the machine (clocks, heat, a neighbour) then
+    falls on both alike, and the spread of the per-repeat speed-ups says how far one reading can be trusted."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ours, anchor = [], []
+    for _ in range(repeats):
+        ours.append(time_ours().ms)
+        anchor.append(time_anchor().ms)
+    return PairTiming(statistics.median(ours), statistics.median(anchor),
+                      tuple(a / o for o, a in zip(ours, anchor)))
+
+
 class Timer:
     """One timing policy for the whole run (device events on a GPU, a host clock in smoke runs)."""
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (fifth) session nothing measured is owed
-# at the final commit except the report files that did not come back (the device tool returns about eight):
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of kda_prefill, kda_decode,
-#                                                          #   mla_decode, moe_experts, short_conv_prefill,
-#                                                          #   mla_prefill and the whole-model check (12+ files:
-#                                                          #   run it as two calls, or fetch what matters first)
+# Device calls for issue 6, one nvidia-h200 each. Owed after the 2026-11-30 (sixth) session, at the final commit:
+#   LIMIT=420 bash scripts/gpu_bench.sh --only kda_prefill,kda_decode --repeats 5   # carry .whl: the varlen KDA
+#                                                          #   prefill rows sat at 1.49x / 1.50x of fla (target 1.5x)
+#                                                          #   and 64 x 512 moved 15% between two runs
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every changed op and the
+#                                                          #   whole-model check (only kda_prefill was rerun after
+#                                                          #   its new defaults; 12+ files: run it as two calls)
 # Other subcommands:
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh model     # ~1.5 min: k3-mini whole-model bench with its profile
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)

@@ -92,3 +92,35 @@ def test_check_never_passes_nan_and_sees_past_the_slice():
 def test_unknown_case_is_refused_with_the_list():
     with pytest.raises(SystemExit, match="choose from: kda_prefill"):
         bench_kernels.selected("kda_prefil")
+
+
+def test_time_pair_alternates_and_reports_every_speedup():
+    from bench.timing import Timing, time_pair
+    order = []
+    ours_ms, anchor_ms = iter([1.0, 2.0, 1.5]), iter([3.0, 3.0, 6.0])
+
+    def ours():
+        order.append("ours")
+        return Timing(next(ours_ms), "fake")
+
+    def anchor():
+        order.append("anchor")
+        return Timing(next(anchor_ms), "fake")
+
+    pair = time_pair(ours, anchor, 3)
+    assert order == ["ours", "anchor"] * 3                         # alternating, not all of ours first
+    assert (pair.ours_ms, pair.anchor_ms) == (1.5, 3.0)            # medians of each side
+    assert pair.speedups == (3.0, 1.5, 4.0)                        # per repeat, in order
+    assert pair.note("fla") == ("3 alternating timings of ours and fla (medians above): speed-up median 3.000, "
+                                "range 1.500-4.000")
+    with pytest.raises(ValueError, match="repeats"):
+        time_pair(ours, anchor, 0)
+
+
+def test_repeats_reach_the_context_and_bad_values_are_refused(tmp_path):
+    from bench.context import make_context
+    assert make_context(smoke=True, repeats=3).repeats == 3
+    with pytest.raises(SystemExit, match="repeats"):
+        make_context(smoke=True, repeats=0)
+    rows = bench_kernels.run(["--smoke", "--only", "kda_decode", "--out", str(tmp_path), "--repeats", "2"])
+    assert rows and all(row.passed for row in rows)
