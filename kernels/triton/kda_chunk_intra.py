@@ -9,8 +9,11 @@ the state S0 at the chunk start and the L2-normalised q, k:
     O  = scale (Qg S0^T + Aqk U)    with Qg = q * exp(G)
     S_end = S0 diag(exp G_last) + U^T Kd                     with Kd = k * exp(G_last - G)
 
-This kernel writes W, U0, Qg, Kd, Aqk and exp(G_last); `kda_chunk_state` runs the sequential part (U, O, S).
-Every exponent stored or multiplied here is <= 0 except inside the dense sub-block products below.
+Both kernels here write W, U0, Qg, Kd, Aqk and exp(G_last); `kda_chunk_state` runs the sequential part (U, O, S).
+`kda_chunk_intra_kernel` takes any chunk on masked full-chunk tiles (dense sub-block products for the lower-bounded
+gate, exact per-element decay for softplus); `kda_chunk_intra_two_block_kernel` takes 32-token chunks of the
+lower-bounded gate as two 16-token halves (`KernelConfig.two_block`). Every exponent stored or multiplied here is
+<= 0 except inside the dense sub-block products and the halves' in-half column factors.
 """
 from __future__ import annotations
 

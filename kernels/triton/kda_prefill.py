@@ -22,8 +22,8 @@ from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
 
-# kda_state (block_v 16, 4 warps, 235 registers per thread on sm_90) runs two programs per SM at once; past that
-# many programs the state pass would run in waves, and the wide value blocks win (see PrefillLaunch.state_config).
+# kda_state (block_v 16, 4 warps: 235 registers per thread in ncu on an H200, 255 offline) fits two programs per SM;
+# past that many programs the state pass would run in waves, and the wide value blocks win (PrefillLaunch.state_config).
 NARROW_STATE_PROGRAMS_PER_UNIT = 2
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
