@@ -4,9 +4,8 @@
     ncu --import r.ncu-rep --page source --csv --print-source sass | python -m bench.ncu_report source
 
 `stalls` prints, per kernel, its duration and the stall reasons that cost the most cycles per issued
-instruction (WarpStateStats); `source` prints the source lines (SASS, or the Triton Python lines with
---print-source cuda) with the most warp-stall samples, and their share of the instructions executed
-(SourceCounters).
+instruction (WarpStateStats); `source` prints the SASS lines with the most warp-stall samples, and their share of
+the instructions executed (SourceCounters).
 Both read CSV from stdin and keep going past rows they do not understand: the profiler's column set changes
 between versions, and a half-read profile is still worth more than none.
 """

@@ -2,8 +2,8 @@
 # Nsight Compute on one call of each issue-6 kernel (bench.ncu_targets), one nvidia-h200 call (~3-4 min):
 #   bash scripts/gpu_ncu.sh [target ...]      # default: the targets still missed after the fifth session
 # Writes $OUT/ncu-<target>.txt: the details page (speed of light, occupancy, launch, memory, warp state), the
-# stall reasons per kernel and the SASS lines with the most stall samples (the Python-line view, ncu's "cuda"
-# source page, came back without a sampling column on 2026-11-30 and prints so). The .ncu-rep files stay in
+# stall reasons per kernel and the SASS lines with the most stall samples (ncu's "cuda" source page, the Triton
+# Python lines, came back without a sampling column on 2026-11-30, so it is not asked for). The .ncu-rep files stay in
 # /tmp on the device (the device tool returns about eight files). --clock-control none: leave the clocks as the
 # machine sets them.
 set -u
@@ -27,8 +27,6 @@ for t in "${targets[@]}"; do
       "$NCU" --import "$rep.ncu-rep" --page raw --csv | python3 -m bench.ncu_report stalls
       echo; echo "## $t: hottest SASS lines"
       "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass | python3 -m bench.ncu_report source
-      echo; echo "## $t: hottest source lines (Triton Python)"
-      "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source cuda | python3 -m bench.ncu_report source
       echo; echo "## $t: details"
       "$NCU" --import "$rep.ncu-rep" --page details
       echo; echo "## $t: profiler log (tail)"; tail -n 15 "/tmp/ncu-$t.log"; } > "$txt" 2>&1
