@@ -1,4 +1,5 @@
-"""Registers, local-memory stack (spills) and shared memory of the KDA prefill kernels, compiled offline.
+"""Registers, local-memory stack (spills), shared memory and SASS instructions per program of the KDA prefill
+kernels, compiled offline.
 
     python -m bench.kernel_resources                  # sm_90, the table configs and a few neighbours
     python -m bench.kernel_resources --arch 100       # another NVIDIA target
@@ -25,6 +26,8 @@ KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, 
 # kda_segment_map + kda_segment_scan (+ kda_state per segment) = the segmented state pass (KernelConfig.segment_chunks)
 KERNELS = ("kda_intra", "kda_intra_two_block", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan")
 STATE_KERNELS = ("kda_state", "kda_state_prefetch")
+# one SASS instruction line of `cuobjdump --dump-sass`: "/*0120*/  @!P0 FMUL R4, R2, R3 ;"
+SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S.*;", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Resources:
     registers: int          # per thread (255 is the cap)
     stack_bytes: int        # per thread, local memory: > 0 means spills (or a real local array)
     shared_bytes: int       # per program, as Triton reports it
+    sass_per_program: int   # static SASS instructions x warps: what a program issues when it has no loop (the intra
+                            # passes), a proxy for issue-bound kernels, whose time tracked it on the H200 (README)
 
 
 def _tool(name: str) -> Path:
@@ -113,13 +118,17 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([str(_tool("cuobjdump")), "-res-usage", str(cubin)], capture_output=True,
                                text=True, check=True).stdout
+        sass = subprocess.run([str(_tool("cuobjdump")), "--dump-sass", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
     registers = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     if not registers or not stack:
         raise RuntimeError(f"cuobjdump printed no resource line for {kernel}:\n{usage}")
     config = f"chunk={chunk} num_warps={num_warps} num_stages={num_stages}" + (f" block_v={block_v}" if block_v
                                                                                 else "")
-    return Resources(kernel, config, int(registers.group(1)), int(stack.group(1)), int(compiled.metadata.shared))
+    instructions = len(SASS_INSTRUCTION.findall(sass))
+    return Resources(kernel, config, int(registers.group(1)), int(stack.group(1)), int(compiled.metadata.shared),
+                     instructions * num_warps)
 
 
 DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_intra", 16, 1, None),
@@ -140,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
     wanted = set(args.kernels.split(","))
     print(f"sm_{args.arch}, {KDA_SHAPE['H']} heads, K = V = {KDA_SHAPE['K']}, bf16")
-    print(f"{'kernel':16} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9}")
+    print(f"{'kernel':16} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9} {'SASS/program':>12}")
     for chunk in (int(c) for c in args.chunks.split(",")):
         for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
             if kernel not in wanted:
                 continue
             r = measure(kernel, warps, stages, args.arch, block_v, chunk)
-            print(f"{r.kernel:16} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d}", flush=True)
+            print(f"{r.kernel:16} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d} "
+                  f"{r.sass_per_program:12d}", flush=True)
     return 0
 
 
