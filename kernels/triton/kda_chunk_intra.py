@@ -257,7 +257,6 @@ def kda_chunk_intra_two_block_kernel(
     rows = tl.arange(0, SUB)
     lower = rows[:, None] > rows[None, :]
     lower_eq = rows[:, None] >= rows[None, :]
-    cols = tl.arange(0, SUB)
     # Each half in turn, in the order its tiles are used, so that few [SUB, BK] float32 tiles are live at once.
     # Half 0 (reference G_{-1} = 0): row factors exp(G0), column factors exp(-G0) and exp(c0 - G0).
     G0 = tl.cumsum(g0, 0)                                                       # [SUB, BK]
@@ -270,9 +269,10 @@ def kda_chunk_intra_two_block_kernel(
     kx0 = k0 * (e_ng0 * e_c0[None, :])                                          # k0 exp(c0 - G0) <= |k0|
     tl.store(kd_ptr + offk0, (kx0 * e_c1[None, :]).to(DOT_DTYPE), mask=mk0)   # k0 exp(G_last - G0)
     kx0 = kx0.to(DOT_DTYPE)
+    # Aqk rows of half 0 are [A00 | 0], of half 1 [A10 | A11] (the state pass reads all BT columns)
     aqk00 = tl.where(lower_eq, tl.dot(qg0, tl.trans(kc0), input_precision=PRECISION), 0.0)
-    tl.store(aqk_ptr + hr0[:, None] * BT + cols[None, :], aqk00.to(DOT_DTYPE), mask=ok0[:, None])
-    tl.store(aqk_ptr + hr0[:, None] * BT + SUB + cols[None, :], tl.zeros([SUB, SUB], DOT_DTYPE), mask=ok0[:, None])
+    tl.store(aqk_ptr + hr0[:, None] * BT + rows[None, :], aqk00.to(DOT_DTYPE), mask=ok0[:, None])
+    tl.store(aqk_ptr + hr0[:, None] * BT + SUB + rows[None, :], tl.zeros([SUB, SUB], DOT_DTYPE), mask=ok0[:, None])
     akk00 = tl.where(lower, tl.dot(kg0.to(DOT_DTYPE), tl.trans(kc0), input_precision=PRECISION), 0.0)
     t00 = _unit_lower_inverse(akk00 * beta0[:, None], rows, SUB, PRECISION)
     kb0 = kg0 * beta0[:, None]                                                  # beta k exp(G), half 0
@@ -290,9 +290,9 @@ def kda_chunk_intra_two_block_kernel(
     kc1 = kc1.to(DOT_DTYPE)
     kr1_in = kr1.to(DOT_DTYPE)
     aqk10 = tl.dot(qr1, tl.trans(kx0), input_precision=PRECISION)
-    tl.store(aqk_ptr + hr1[:, None] * BT + cols[None, :], aqk10.to(DOT_DTYPE), mask=ok1[:, None])
+    tl.store(aqk_ptr + hr1[:, None] * BT + rows[None, :], aqk10.to(DOT_DTYPE), mask=ok1[:, None])
     aqk11 = tl.where(lower_eq, tl.dot(qr1, tl.trans(kc1), input_precision=PRECISION), 0.0)
-    tl.store(aqk_ptr + hr1[:, None] * BT + SUB + cols[None, :], aqk11.to(DOT_DTYPE), mask=ok1[:, None])
+    tl.store(aqk_ptr + hr1[:, None] * BT + SUB + rows[None, :], aqk11.to(DOT_DTYPE), mask=ok1[:, None])
     akk10 = tl.dot(kr1_in, tl.trans(kx0), input_precision=PRECISION)
     akk11 = tl.where(lower, tl.dot(kr1_in, tl.trans(kc1), input_precision=PRECISION), 0.0)
     t11 = _unit_lower_inverse(akk11 * beta1[:, None], rows, SUB, PRECISION)

@@ -253,7 +253,6 @@ class PrefillLaunch:
             return
         config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
-        dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
         if self.uses_two_block(config):
             kda_chunk_intra_two_block_kernel[(self.num_chunks, self.num_heads)](
                 self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
@@ -263,6 +262,7 @@ class PrefillLaunch:
                 BK=pow2_at_least(self.k_dim), BVF=pow2_at_least(self.v_dim), FORM=self.form,
                 PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
             return
+        dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
         kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
