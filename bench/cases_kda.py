@@ -173,11 +173,17 @@ def _prefill_row(ctx: BenchContext, label: str, lengths: tuple[int, ...], heads:
         fla_out = anchor()[0][0]                                                  # [T, H, V]
         row.anchor_checks += prefill_checks(ctx, x, ref, fla_out, who="fla ")
         row.anchor_ms = ctx.timer.time(anchor).ms
-        if row.passed and row.anchor_passed and ctx.repeats > 1:
-            pair = time_pair(lambda: ctx.timer.time(ours), lambda: ctx.timer.time(anchor), ctx.repeats)
-            row.ours_ms, row.anchor_ms = pair.ours_ms, pair.anchor_ms
-            row.notes += "; " + pair.note("fla")
+        _retime_alternately(ctx, row, lambda: ctx.timer.time(ours), lambda: ctx.timer.time(anchor))
     return row
+
+
+def _retime_alternately(ctx: BenchContext, row: Row, time_ours, time_anchor) -> None:
+    """With --repeats N > 1 and both sides correct: replace the row's times with the medians of N alternating
+    timings, and note the spread of the speed-ups."""
+    if row.passed and row.anchor_passed and ctx.repeats > 1:
+        pair = time_pair(time_ours, time_anchor, ctx.repeats)
+        row.ours_ms, row.anchor_ms = pair.ours_ms, pair.anchor_ms
+        row.notes += "; " + pair.note("fla")
 
 
 def fla_prefill(x: PrefillInputs):
@@ -234,11 +240,7 @@ def _decode_row(ctx: BenchContext, num_seqs: int, heads: int, dim: int) -> Row:
             for s, slots in zip(sets, slot_sets)]
         row.anchor_checks += _decode_checks(ctx, anchor_calls[0], sets[0], slot_sets[0], pool, gate, scale, "fla ")
         row.anchor_ms = ctx.timer.time_graph(anchor_calls).ms
-        if row.passed and row.anchor_passed and ctx.repeats > 1:
-            pair = time_pair(lambda: ctx.timer.time_graph(calls), lambda: ctx.timer.time_graph(anchor_calls),
-                             ctx.repeats)
-            row.ours_ms, row.anchor_ms = pair.ours_ms, pair.anchor_ms
-            row.notes += "; " + pair.note("fla")
+        _retime_alternately(ctx, row, lambda: ctx.timer.time_graph(calls), lambda: ctx.timer.time_graph(anchor_calls))
     if row.passed:
         row.notes += "; " + ctx.timer.single_pass_note(calls, anchor_calls if row.anchor_passed else None)
         row.notes += "; " + _same_size_copy_note(ctx, state_bytes // 2, num_sets, row.ours_ms)

@@ -8,6 +8,7 @@ name must come back bit-identical.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -23,7 +24,7 @@ from kernels.triton.conv import short_conv_decode, short_conv_prefill  # noqa: E
 from kernels.triton.kda_decode import kda_decode  # noqa: E402
 from kernels.triton.kda_gate import kda_gate  # noqa: E402
 from kernels.triton.kda_prefill import kda_prefill  # noqa: E402
-from kernels.triton.tuning import KINDS, kernel_config  # noqa: E402
+from kernels.triton.tuning import KINDS, KernelConfig, kernel_config  # noqa: E402
 from kda_helpers import (  # noqa: E402
     CONV_TOL,
     DEVICE,
@@ -80,11 +81,10 @@ def test_prefill_two_block_intra_matches_reference(lengths, k_dim, v_dim, interv
             launches.append(grid)
             return real_kernel[grid]
 
-    table = kernel_config("kda_intra")
+    two_block = dataclasses.replace(kernel_config("kda_intra"), two_block=True, sub_chunk=16)
     monkeypatch.setattr(prefill_module, "kda_chunk_intra_two_block_kernel", Spy())
     monkeypatch.setattr(prefill_module, "kernel_config",
-                        lambda kind: table.__class__(**{**table.__dict__, "two_block": True, "sub_chunk": 16})
-                        if kind == "kda_intra" else kernel_config(kind))
+                        lambda kind: two_block if kind == "kda_intra" else kernel_config(kind))
     _check_prefill_case("lower_bound", 32, lengths, k_dim, v_dim, interval, strong, kda_prefill)
     assert len(launches) == 1
 
@@ -95,14 +95,14 @@ def test_two_block_intra_applies_only_where_its_bound_holds():
     _, state = _state_pool(2, 16, 16)
     common = dict(cu_seqlens=_cu_seqlens([40]).to(DEVICE), state=state, slot_ids=torch.tensor([0], device=DEVICE),
                   has_initial_state=torch.tensor([False], device=DEVICE), scale=1.0)
-    config = kernel_config("kda_intra").__class__(two_block=True, sub_chunk=16)
+    config = KernelConfig(two_block=True, sub_chunk=16)
     for form, lower_bound, chunk, expected in (("lower_bound", -5.0, 32, True), ("lower_bound", -6.0, 32, False),
                                                ("softplus", -5.0, 32, False), ("lower_bound", -5.0, 16, False),
                                                ("lower_bound", -5.0, 64, False)):
         gate = _gate(form, 2, 16, False)._replace(lower_bound=lower_bound)
         launch, _ = prepare_kda_prefill(**inputs, gate=gate, **common, chunk_size=chunk)
         assert launch.uses_two_block(config) is expected, (form, lower_bound, chunk)
-        assert launch.uses_two_block(config.__class__(two_block=False, sub_chunk=16)) is False
+        assert launch.uses_two_block(dataclasses.replace(config, two_block=False)) is False
 
 
 def test_prefill_empty_batch():
