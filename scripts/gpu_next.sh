@@ -7,6 +7,8 @@
 #                                                          #   whole-model check (only kda_prefill was rerun after
 #                                                          #   its new defaults; 12+ files: run it as two calls)
 # Other subcommands:
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh moe ...   # bench.tune_moe (MoE expert GEMM tiles and forms;
+#                                                          #   e.g. --budget-s 300)
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh model     # ~1.5 min: k3-mini whole-model bench with its profile
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh tune ...  # bench.tune_prefill (KDA prefill passes and configs)
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh decode ... # ~2 min: bench.tune_decode (MLA / KDA decode tables;
@@ -33,6 +35,10 @@ case "${1:-}" in
     timeout "${LIMIT:-330}" python3 -m bench.tune_decode --out "$OUT" "${@:2}" > "$OUT/tune_decode.log" 2>&1
     echo "tune_decode exit $?"; grep -E "^(mla|kda)_decode .*\[" "$OUT/tune_decode.log" | cut -c1-260
     ;;
+  moe)
+    timeout "${LIMIT:-400}" python3 -m bench.tune_moe --out "$OUT" "${@:2}" > "$OUT/tune_moe.log" 2>&1
+    echo "tune_moe exit $?"; grep -vE "^  (prefill|decode) " "$OUT/tune_moe.log" | tail -n 30 | cut -c1-260
+    ;;
   model)
     timeout "${LIMIT:-300}" python3 -m bench.model_bench --model k3-mini --out "$OUT" > "$OUT/model_bench.log" 2>&1
     echo "model_bench exit $?"; grep -E "^\[" "$OUT/model_bench.log" | tail -n 12; rm -f "$OUT/model_bench.log"
@@ -48,5 +54,5 @@ case "${1:-}" in
     echo "model_check exit $?"; tail -n 3 "$OUT/model.log"; rm -f "$OUT/model.log"
     ;;
   *)
-    echo "usage: bash scripts/gpu_next.sh tune|decode|check|model" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu_next.sh tune|decode|moe|check|model" >&2; exit 2 ;;
 esac
