@@ -374,6 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wide", action="store_true", help=f"{len(WIDE_TILES)} tiles per GEMM instead of "
                         f"{len(TILES)} (needs a larger --budget-s)")
     parser.add_argument("--only", default="", help=f"comma-separated shapes (default all): {', '.join(SHAPES)}")
+    parser.add_argument("--block-ms", default="", help=f"comma-separated row blocks to sweep (default "
+                        f"{','.join(map(str, BLOCK_MS))}; the current default's is always measured)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -390,6 +392,13 @@ def run(argv: list[str] | None = None) -> list[ShapeResult]:
     if unknown:
         raise SystemExit(f"unknown shape(s) {', '.join(unknown)}; choose from: {', '.join(dims['shapes'])}")
     block_ms, tiles = (SMOKE_BLOCK_MS, SMOKE_TILES) if args.smoke else (BLOCK_MS, WIDE_TILES if args.wide else TILES)
+    if args.block_ms:
+        try:
+            block_ms = tuple(int(v) for v in args.block_ms.split(",") if v.strip())
+        except ValueError:
+            raise SystemExit(f"--block-ms takes comma-separated integers, got {args.block_ms!r}") from None
+        if not block_ms or any(b < 16 or b & (b - 1) for b in block_ms):
+            raise SystemExit(f"--block-ms: powers of two >= 16 (the dot's smallest row tile), got {args.block_ms!r}")
     out_dir = results_dir(args.out)
     env = environment(ctx.device, args.smoke)
     print(f"k3core MoE GEMM sweep: {env['device']}, torch {env['torch']}, triton {env['triton']}, "

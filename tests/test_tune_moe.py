@@ -68,6 +68,19 @@ def test_a_config_that_raises_is_a_result(tmp_path, monkeypatch):
     assert all(t["reason"] == "RuntimeError: out of resources: shared memory" for t in failed)
 
 
+@pytest.mark.parametrize("value", ["12", "a,b", "64,48", ","])
+def test_block_ms_option_refuses_bad_values(value, tmp_path):
+    with pytest.raises(SystemExit, match="--block-ms"):
+        tune_moe.main(["--smoke", "--block-ms", value, "--out", str(tmp_path)])
+
+
+def test_block_ms_option_limits_the_sweep(tmp_path):
+    assert tune_moe.main(["--smoke", "--only", "decode", "--block-ms", "32", "--out", str(tmp_path)]) == 0
+    trials = json.loads((tmp_path / "tune_moe-cpu-smoke.json").read_text())["shapes"][0]["trials"]
+    # the default (block_m 16 under the interpreter) is always measured, the grid only at 32
+    assert {t["block_m"] for t in trials} == {16, 32} and sum(t["block_m"] == 16 for t in trials) == 2
+
+
 def test_fits_skips_configs_that_cannot_run():
     assert tune_moe.fits("down", 64, (128, 64, 8, 3, False), 232448, 2) == ""
     assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, False), 232448, 2)
