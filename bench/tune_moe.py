@@ -6,9 +6,8 @@
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
 one row layout) is swept on the outside; for each block_m the gate/up GEMM (GLU fused) and the down GEMM are swept
-on their own over (block_n, block_k, num_warps, num_stages) and the operand form (pointer or tensor-descriptor
-tiles). The kernels have no program-order swizzle (GROUP_M): programs of one expert's row blocks are already
-adjacent in launch order, so they share its weight tile in L2.
+on their own over (block_n, block_k, num_warps, num_stages). The kernels have no program-order swizzle (GROUP_M):
+programs of one expert's row blocks are already adjacent in launch order, so they share its weight tile in L2.
 
 Every config first runs once on NaN-poisoned memory and is checked against a float32 torch reference of that GEMM
 on the same bf16 inputs (every routed row, relative L2 error); only a config that compiled and passed is timed
@@ -55,17 +54,11 @@ OUTPUT_TOL = 2e-2    # whole op: the bf16 hidden may round differently from the 
 RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernels, so they mostly just time
 
 BLOCK_MS = (16, 32, 64, 128)
-# (block_n, block_k, num_warps, num_stages, tma), most plausible first: a budget cut loses the least likely configs.
-# The tensor-descriptor (tma) tiles come first: offline sm_90 compiles of them do not spill where the pointer
-# tiles spill 300-2000 bytes per thread (kernels/triton/moe_experts.py).
-POINTER_TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
-                 (256, 64, 8, 3), (128, 32, 4, 5))
-TMA_TILES = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 3), (256, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3),
-             (64, 64, 4, 4), (128, 64, 4, 4))
-TILES = tuple((*t, True) for t in TMA_TILES) + tuple((*t, False) for t in POINTER_TILES)
-WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (True, False)))
-SMOKE_BLOCK_MS = (16, 32)
-SMOKE_TILES = ((16, 16, 1, 1, False), (32, 16, 1, 1, False), (16, 16, 1, 1, True))
+# (block_n, block_k, num_warps, num_stages), most plausible first: a budget cut loses the least likely configs
+TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
+         (256, 64, 8, 3), (128, 32, 4, 5))
+WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5)))
+SMOKE_BLOCK_MS, SMOKE_TILES = (16, 32), ((16, 16, 1, 1), (32, 16, 1, 1))
 SHARED_MEMORY_BYTES = 232448                                      # sm90 opt-in limit per block, when torch does not say
 MAX_ACCUMULATOR_REGS = 128                                        # float32 accumulators per thread before spilling
 
@@ -74,7 +67,7 @@ MAX_ACCUMULATOR_REGS = 128                                        # float32 accu
 class Trial:
     gemm: str                      # "gate_up" or "down"
     block_m: int
-    tile: tuple[int, int, int, int, bool]   # (block_n, block_k, num_warps, num_stages, tma)
+    tile: tuple[int, int, int, int]
     status: str                    # "ok", "wrong", "error", "skipped"
     ms: float | None = None
     error: float | None = None     # relative L2 error against the reference
@@ -96,17 +89,15 @@ class ShapeResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _tile(config) -> tuple[int, int, int, int, bool]:
-    return (config.block_n, config.block_k, config.num_warps, config.num_stages, config.tma)
+def _tile(config) -> tuple[int, int, int, int]:
+    return (config.block_n, config.block_k, config.num_warps, config.num_stages)
 
 
-def fits(gemm: str, block_m: int, tile: tuple[int, int, int, int, bool], shared_bytes: int, element_size: int) -> str:
+def fits(gemm: str, block_m: int, tile: tuple[int, int, int, int], shared_bytes: int, element_size: int) -> str:
     """'' when the config can run, else why not (skipped without compiling; the compiler would refuse or spill)."""
-    block_n, block_k, warps, stages, tma = tile
+    block_n, block_k, warps, stages = tile
     weight_tiles = 2 if gemm == "gate_up" else 1                  # gate/up loads both halves of W13 per K step
     smem = stages * (block_m * block_k + weight_tiles * block_k * block_n) * element_size
-    if tma:                                                       # the output tile is staged for the store copy
-        smem += block_m * block_n * (element_size if gemm == "gate_up" else 4)
     if smem > shared_bytes:
         return f"needs {smem} bytes of shared memory, the device has {shared_bytes}"
     regs = weight_tiles * block_m * block_n // (32 * warps)
@@ -143,16 +134,6 @@ class Problem:
         group = load("kernels.triton.moe_experts:group_pairs_by_expert")
         return group(self.expert_ids, 0, self.experts, block_m)
 
-    def gate_up_operands(self, block_m: int) -> tuple[torch.Tensor, ...]:
-        """Stand-ins with the row widths, dtypes and layouts the descriptor form would describe (x_sorted, the
-        stacked W13, hidden), for `tma_unavailable`."""
-        width = self.w2.shape[2]
-        return (self.x[:1].clone(), self.w13.view(-1, self.w13.shape[2]), self.x.new_empty(block_m, width))
-
-    def down_operands(self, block_m: int) -> tuple[torch.Tensor, ...]:
-        rows_out = torch.empty(block_m, self.w2.shape[1], dtype=torch.float32, device=self.x.device)
-        return (self.x.new_empty(block_m, self.w2.shape[2]), self.w2.view(-1, self.w2.shape[2]), rows_out)
-
     def gate_up_call(self, blocks, block_m: int, tile) -> Callable[[], torch.Tensor]:
         gate_up = load("kernels.triton.moe_experts:gate_up")
         return lambda: gate_up(self.x, self.w13, blocks, self.top_k, "situ", SITU_BETA, SITU_LINEAR_BETA, block_m,
@@ -184,12 +165,6 @@ def _measure(ctx: BenchContext, problem: Problem, gemm: str, blocks, block_m: in
     tile_type = load("kernels.triton.tuning_ops:GemmConfig")
     tile = tile_type(*tile_values)
     trial = Trial(gemm, block_m, tuple(tile_values), "error")
-    if tile.tma:
-        operands = problem.gate_up_operands(block_m) if gemm == "gate_up" else problem.down_operands(block_m)
-        why = load("kernels.triton.moe_experts:tma_unavailable")(ctx.device, *operands)
-        if why:
-            trial.status, trial.reason = "skipped", why
-            return trial
     try:
         call = (problem.gate_up_call if gemm == "gate_up" else problem.down_call)(blocks, block_m, tile)
         # NaN in the freed block the output most likely reuses: a routed row left unwritten fails the check
@@ -311,8 +286,7 @@ def paste_line(result: ShapeResult) -> str:
         return f"# {result.name}: no config passed"
 
     def gemm(values):
-        tma = ", tma=True" if len(values) > 4 and values[4] else ""
-        return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={}".format(*values[:4]) + tma + ")"
+        return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={})".format(*values)
     return (f'"{result.row_class}": MoeGemmConfig(block_m={best["block_m"]}, gate_up={gemm(best["gate_up"])}, '
             f'down={gemm(best["down"])}),')
 
@@ -346,8 +320,8 @@ def markdown(results: list[ShapeResult], env: dict) -> str:
              "```", summary(results), "```", ""]
     for r in results:
         lines += [f"## {r.name} (T={r.tokens}, {r.rows} rows)", "",
-                  "| gemm | block_m | block_n | block_k | warps | stages | tma | status | ms | rel err | reason |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| gemm | block_m | block_n | block_k | warps | stages | status | ms | rel err | reason |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for t in sorted(r.trials, key=lambda t: (t.gemm, t.block_m, t.ms if t.ms is not None else float("inf"))):
             err = "-" if t.error is None else f"{t.error:.1e}"
             lines.append(f"| {t.gemm} | {t.block_m} | {' | '.join(map(str, t.tile))} | {t.status} | {_fmt(t.ms)} | "

@@ -25,7 +25,6 @@ from kernels.torch import mla as ref_mla  # noqa: E402
 from kernels.torch import moe as ref_moe  # noqa: E402
 from kernels.torch import norm as ref_norm  # noqa: E402
 from kernels.triton import activation, attn_res, mla_decode, mla_prefill, moe_experts, moe_route, norm  # noqa: E402
-from kernels.triton import tuning_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
@@ -242,70 +241,6 @@ def test_moe_experts(num_tokens, activation_name, beta, linear_beta, expert_offs
                                    beta, linear_beta, expert_offset)
     # two float32 GEMMs (K = 48 then 24) of unit-scale values and a 2-term float32 sum
     check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts")
-
-
-class _LaunchSpy:
-    """Stands in for a @triton.jit kernel: records each launch, then runs the real one."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("num_tokens,hidden,inter,block_n,block_k", [
-    (1, 48, 24, 16, 32),          # one token; I = 24: the second gate column block runs into the up rows (clipped)
-    (33, 48, 24, 16, 16),         # several blocks per expert
-    (20, 40, 40, 32, 32),         # D = 40: the last K tile and the last down column block run past the width
-])
-def test_moe_experts_tma_tiles(monkeypatch, num_tokens, hidden, inter, block_n, block_k):
-    """The tensor-descriptor form of both GEMMs (what the H200 table picks at prefill) against float64, with the
-    kernels that ran counted: a descriptor config must not quietly run the pointer kernels."""
-    top_k, experts = 3, 6
-    tile = tuning_ops.GemmConfig(block_n=block_n, block_k=block_k, num_warps=1, num_stages=1, tma=True)
-    config = tuning_ops.MoeGemmConfig(block_m=16, gate_up=tile, down=tile)
-    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: config)
-    spies = {name: _LaunchSpy(getattr(moe_experts, name)) for name in
-             ("_gate_up_tma_kernel", "_down_tma_kernel", "_gather_sorted_rows_kernel", "_gate_up_kernel",
-              "_down_kernel")}
-    for name, spy in spies.items():
-        monkeypatch.setattr(moe_experts, name, spy)
-    x = randn(num_tokens, hidden)
-    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
-    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    expert_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
-    weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    with nan_poisoned_allocations():
-        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
-    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
-    check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts, tma tiles")
-    assert [spies[n].launches for n in spies] == [1, 1, 1, 0, 0]
-
-
-def test_moe_experts_tma_config_falls_back_where_rows_cannot_be_described(monkeypatch):
-    """A 50-wide float32 latent has 200-byte rows (not 16-byte aligned): the table's tma choice turns into the
-    pointer form for that GEMM, the output stays right, and asking a GEMM for tma tiles there says why."""
-    hidden, inter, top_k, experts, num_tokens = 50, 24, 2, 4, 9
-    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, tma=True)
-    config = tuning_ops.MoeGemmConfig(block_m=16, gate_up=tile, down=tile)
-    x = randn(num_tokens, hidden)
-    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
-    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    runnable = moe_experts.runnable_config(config, x, w13, w2)
-    assert not runnable.gate_up.tma and not runnable.down.tma    # x rows and the float32 down rows: 200 bytes
-    assert moe_experts.runnable_config(config, x[:, :48].contiguous(), w13[:, :, :48].contiguous(),
-                                       w2[:, :48].contiguous()) == config
-    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: config)
-    expert_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
-    weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "silu", None, None)
-    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "silu", None, None)
-    check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts, tma table on unaligned rows")
-    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, 16)
-    with pytest.raises(ValueError, match="16-byte aligned rows"):
-        moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, tile)
 
 
 def test_moe_experts_empty_batch():

@@ -27,9 +27,8 @@ def test_smoke_sweep_checks_times_and_writes(tmp_path, capsys):
     assert set(shapes) == {"prefill", "decode"}
     for shape in shapes.values():
         trials = shape["trials"]
-        # 2 block_m x 3 tiles (one of them tensor-descriptor tiles) x 2 GEMMs, every one checked and timed
-        assert len(trials) == 12 and all(t["status"] == "ok" and t["ms"] > 0 for t in trials)
-        assert sum(t["tile"][4] for t in trials) == 4
+        # 2 block_m x 2 tiles x 2 GEMMs, every one checked (error recorded) and timed
+        assert len(trials) == 8 and all(t["status"] == "ok" and t["ms"] > 0 for t in trials)
         assert all(t["error"] is not None and t["error"] <= tune_moe.FP32_STATE_TOL for t in trials)
         assert shape["best"]["block_m"] in tune_moe.SMOKE_BLOCK_MS
         assert shape["best"]["ms"] <= shape["default_ms"]
@@ -82,12 +81,9 @@ def test_block_ms_option_limits_the_sweep(tmp_path):
 
 
 def test_fits_skips_configs_that_cannot_run():
-    assert tune_moe.fits("down", 64, (128, 64, 8, 3, False), 232448, 2) == ""
-    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, False), 232448, 2)
-    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3, False), 232448, 2)
-    # the descriptor form also stages its output tile: 128 x 256 float32 rows tip this down tile over the limit
-    assert tune_moe.fits("down", 128, (256, 64, 8, 3, False), 232448, 2) == ""
-    assert "shared memory" in tune_moe.fits("down", 128, (256, 64, 8, 3, True), 232448, 2)
+    assert tune_moe.fits("down", 64, (128, 64, 8, 3), 232448, 2) == ""
+    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4), 232448, 2)
+    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3), 232448, 2)
 
 
 def test_nvidia_table_has_one_config_per_row_class():

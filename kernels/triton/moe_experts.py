@@ -7,14 +7,6 @@
    the activation stored in x's dtype in sorted order.
 3. Down kernel: per (row block, column block of D) the W2 GEMM, written in float32 to the same sorted row (no atomics,
    so results do not depend on scheduling).
-Each GEMM comes in two forms (`GemmConfig.tma`): pointer tiles, loaded through registers (any layout, any target),
-and tensor-descriptor tiles, which the copy engine (TMA, sm90+) moves straight into shared memory for the tensor
-cores, with the output tile stored the same way. The pointer form of gate/up spilled 300-2000 bytes per thread at
-the prefill tiles on sm90 (its 64-bit pointer tiles for the weights held most of the registers); the descriptor
-form compiles without spill. A descriptor addresses a dense 2D array, so the descriptor form of gate/up first
-copies the routed x rows into sorted order (`_gather_sorted_rows_kernel`, zeros in the padding rows) and the
-weights are addressed as [E * 2I, D] and [E * D, I]; a tile that runs past an expert's rows reads the next
-expert's (or zeros past the end), which only reaches output columns that the store clips.
 4. Combine kernel (`combine_expert_rows`, shared with the torch._grouped_mm provider): each token gathers its k rows,
    scales each by its routing weight and sums them in a fixed order, in float32, and casts once.
 Token chunks bound the float32 row buffer ((T * k + E * BLOCK_M) * D * 4 bytes) to about 1 GiB plus the padding.
@@ -25,11 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
-from kernels.triton.tuning_ops import GemmConfig, MoeGemmConfig, moe_gemm_config, target
+from kernels.triton.tuning_ops import GemmConfig, moe_gemm_config
 
 PAIR_BUFFER_BYTES = 1 << 30
 
@@ -98,69 +89,6 @@ def _down_kernel(hidden_ptr, w2_ptr, rows_out_ptr, sorted_pairs_ptr, block_exper
 
 
 @triton.jit
-def _gather_sorted_rows_kernel(x_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, x_row_stride, out_row_stride,
-                               num_pairs, num_experts, hidden_dim, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
-    """out[r] = x[token of sorted pair r] for the rows of used blocks; zeros in their padding rows."""
-    block = tl.program_id(0)
-    if tl.load(block_experts_ptr + block) >= num_experts:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)                               # sorted positions
-    pairs = tl.load(sorted_pairs_ptr + rows)                                     # [BLOCK_M]
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < hidden_dim
-    values = tl.load(x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * x_row_stride + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)      # [BLOCK_M, BLOCK_D]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :], values, mask=col_mask[None, :])
-
-
-@triton.jit
-def _gate_up_tma_kernel(x_desc, w13_desc, hidden_desc, block_experts_ptr, num_experts, hidden_dim, inter_dim, beta,
-                        linear_beta, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_gate_up_kernel on descriptors: x_desc [P_pad, D] (sorted rows), w13_desc [E * 2I, D], hidden_desc [P_pad, I]."""
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    row = block * BLOCK_M
-    col = tl.program_id(1) * BLOCK_N
-    gate_row = expert.to(tl.int32) * 2 * inter_dim + col    # W13 row of this column block (descriptor coordinates
-                                                             # are int32: E * 2I rows fit, the host checks)
-    up_row = gate_row + inter_dim
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k_start in range(0, hidden_dim, BLOCK_K):
-        x_tile = x_desc.load([row, k_start])                                     # [BLOCK_M, BLOCK_K]
-        gate_tile = w13_desc.load([gate_row, k_start])                           # [BLOCK_N, BLOCK_K]
-        up_tile = w13_desc.load([up_row, k_start])                               # [BLOCK_N, BLOCK_K]
-        acc_gate = tl.dot(x_tile, gate_tile.T, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(x_tile, up_tile.T, acc_up, input_precision="ieee")
-    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    hidden_desc.store([row, col], hidden.to(hidden_desc.dtype))                 # columns past I are clipped
-
-
-@triton.jit
-def _down_tma_kernel(hidden_desc, w2_desc, rows_out_desc, block_experts_ptr, num_experts, hidden_dim, inter_dim,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_down_kernel on descriptors: hidden_desc [P_pad, I], w2_desc [E * D, I], rows_out_desc [P_pad, D] float32."""
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    row = block * BLOCK_M
-    col = tl.program_id(1) * BLOCK_N
-    w_row = expert.to(tl.int32) * hidden_dim + col
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k_start in range(0, inter_dim, BLOCK_K):
-        h_tile = hidden_desc.load([row, k_start])                                # [BLOCK_M, BLOCK_K]
-        w_tile = w2_desc.load([w_row, k_start])                                  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(h_tile, w_tile.T, acc, input_precision="ieee")
-    rows_out_desc.store([row, col], acc)                                          # padding rows: never read
-
-
-@triton.jit
 def _combine_kernel(rows_ptr, row_of_pair_ptr, weights_ptr, expert_ids_ptr, out_ptr, rows_row_stride,
                     out_row_stride, expert_offset, num_experts, hidden_dim, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -194,68 +122,19 @@ def combine_expert_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: 
         expert_offset, num_experts, hidden_dim, TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1)
 
 
-def tma_unavailable(device: torch.device, *matrices: torch.Tensor) -> str:
-    """Why the descriptor form cannot run on `device` for these 2D operands ('' when it can). The copy engine needs
-    NVIDIA sm90+ (the interpreter emulates it), and each operand row-major with 16-byte aligned base and rows."""
-    kind = target(device)
-    if kind == "amd":
-        return "tensor-descriptor tiles are used only on NVIDIA sm90+ here (no AMD path written or measured)"
-    if kind == "nvidia" and torch.cuda.get_device_capability(device)[0] < 9:
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"tensor-descriptor tiles need sm90+ (TMA); this GPU is sm{major}{minor}"
-    for matrix in matrices:
-        if matrix.dim() == 2 and matrix.shape[0] >= 2 ** 31:
-            return f"descriptor coordinates are int32: {matrix.shape[0]} rows is too many"
-        if matrix.dim() != 2 or matrix.stride(1) != 1:
-            return f"a descriptor needs row-major 2D operands, got {tuple(matrix.shape)} strides {matrix.stride()}"
-        if matrix.data_ptr() % 16 or (matrix.stride(0) * matrix.element_size()) % 16:
-            return (f"a descriptor needs 16-byte aligned rows: {tuple(matrix.shape)} {matrix.dtype} rows of "
-                    f"{matrix.stride(0) * matrix.element_size()} bytes at address {matrix.data_ptr() % 16} mod 16")
-    return ""
-
-
-def _flat_experts(weights: torch.Tensor) -> torch.Tensor:
-    """[E, R, C] -> [E * R, C] without a copy when the experts are stacked densely (else as it is: the check says)."""
-    return weights.view(-1, weights.shape[2]) if weights.stride(0) == weights.shape[1] * weights.stride(1) else weights
-
-
-def _descriptor(matrix: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(matrix, [rows, cols])
-
-
 def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int, activation: str,
             situ_beta: float | None, situ_linear_beta: float | None, block_m: int, tile: GemmConfig) -> torch.Tensor:
-    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows: unwritten by the
-    pointer form, zeros' activation by the descriptor form; never read)."""
+    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
     num_pairs = blocks.row_of_pair.numel()
     num_experts, two_inter, hidden_dim = w13.shape
     inter_dim = two_inter // 2
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * block_m, inter_dim, dtype=x.dtype, device=x.device)  # [P_pad, I]
-    beta = float(situ_beta if situ_beta is not None else 1.0)
-    linear_beta = float(situ_linear_beta) if situ_linear_beta is not None else 1.0
-    grid = (num_blocks, triton.cdiv(inter_dim, tile.block_n))
-    if tile.tma:
-        x_sorted = torch.empty(num_blocks * block_m, hidden_dim, dtype=x.dtype, device=x.device)  # [P_pad, D]
-        flat_w13 = _flat_experts(w13)                                                      # [E * 2I, D]
-        why = tma_unavailable(x.device, x_sorted, flat_w13, hidden)
-        if why:
-            raise ValueError(f"moe_experts gate_up: tma tiles cannot run here: {why}")
-        gather_d = min(256, triton.next_power_of_2(hidden_dim))
-        _gather_sorted_rows_kernel[(num_blocks, triton.cdiv(hidden_dim, gather_d))](
-            x, x_sorted, blocks.sorted_pairs, blocks.block_experts, x.stride(0), x_sorted.stride(0), num_pairs,
-            num_experts, hidden_dim, TOP_K=top_k, BLOCK_M=block_m, BLOCK_D=gather_d, num_warps=4)
-        _gate_up_tma_kernel[grid](
-            _descriptor(x_sorted, block_m, tile.block_k), _descriptor(flat_w13, tile.block_n, tile.block_k),
-            _descriptor(hidden, block_m, tile.block_n), blocks.block_experts, num_experts, hidden_dim, inter_dim,
-            beta, linear_beta, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-            BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
-        return hidden
-    _gate_up_kernel[grid](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13, hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
-        num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
+        num_pairs, num_experts, hidden_dim, inter_dim, float(situ_beta if situ_beta is not None else 1.0),
+        float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
@@ -263,24 +142,12 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int
 
 
 def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: int, tile: GemmConfig) -> torch.Tensor:
-    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows never read)."""
+    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
     num_pairs = blocks.row_of_pair.numel()
     num_experts, hidden_dim, inter_dim = w2.shape
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * block_m, hidden_dim, dtype=torch.float32, device=hidden.device)  # [P_pad, D]
-    grid = (num_blocks, triton.cdiv(hidden_dim, tile.block_n))
-    if tile.tma:
-        flat_w2 = _flat_experts(w2)                                                         # [E * D, I]
-        why = tma_unavailable(hidden.device, hidden, flat_w2, rows_out)
-        if why:
-            raise ValueError(f"moe_experts down: tma tiles cannot run here: {why}")
-        _down_tma_kernel[grid](
-            _descriptor(hidden, block_m, tile.block_k), _descriptor(flat_w2, tile.block_n, tile.block_k),
-            _descriptor(rows_out, block_m, tile.block_n), blocks.block_experts, num_experts, hidden_dim, inter_dim,
-            BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
-        return rows_out
-    _down_kernel[grid](
+    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
         hidden, w2, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2.stride(0), w2.stride(1), rows_out.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim,
@@ -289,25 +156,10 @@ def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: 
     return rows_out
 
 
-def runnable_config(config: MoeGemmConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> MoeGemmConfig:
-    """`config` with tma switched off where these operands cannot be described (odd widths, strided expert stacks,
-    a non-sm90 target): the tuned table's choice of form, kept where it can run, the pointer form elsewhere."""
-    if not (config.gate_up.tma or config.down.tma):
-        return config
-    inter_dim = w2.shape[2]
-    # the buffers the kernels would allocate have these row widths and element sizes (torch allocations are aligned)
-    probe = {"x_sorted": x.new_empty(1, x.shape[1]), "hidden": x.new_empty(1, inter_dim),
-             "rows_out": torch.empty(1, w2.shape[1], dtype=torch.float32, device=x.device)}
-    gate_up_ok = not tma_unavailable(x.device, probe["x_sorted"], _flat_experts(w13), probe["hidden"])
-    down_ok = not tma_unavailable(x.device, probe["hidden"], _flat_experts(w2), probe["rows_out"])
-    return config._replace(gate_up=config.gate_up._replace(tma=config.gate_up.tma and gate_up_ok),
-                           down=config.down._replace(tma=config.down.tma and down_ok))
-
-
 def _experts_chunk(x, w13, w2, weights, expert_ids, activation, situ_beta, situ_linear_beta, expert_offset, out):
     num_experts = w13.shape[0]
     top_k = expert_ids.shape[1]
-    config = runnable_config(moe_gemm_config(x.device, x.shape[0] * top_k, x.element_size()), x, w13, w2)
+    config = moe_gemm_config(x.device, x.shape[0] * top_k, x.element_size())
     blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, config.block_m)
     hidden = gate_up(x, w13, blocks, top_k, activation, situ_beta, situ_linear_beta, config.block_m, config.gate_up)
     rows_out = down(hidden, w2, blocks, config.block_m, config.down)

@@ -189,9 +189,6 @@ class GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    # operand tiles through tensor descriptors (the TMA copy engine on sm90+, straight to shared memory) instead
-    # of pointer tiles through registers; gate/up then reads x from a copy in sorted row order (one gather kernel)
-    tma: bool = False
 
 
 class MoeGemmConfig(NamedTuple):
