@@ -6,7 +6,8 @@
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
 one row layout) is swept on the outside; for each block_m the gate/up GEMM (GLU fused) and the down GEMM are swept
-on their own over (block_n, block_k, num_warps, num_stages). The kernels have no program-order swizzle (GROUP_M):
+on their own over GemmConfig: (block_n, block_k, num_warps, num_stages), the two-half row tiles (sub_blocks) and
+weight tiles through descriptors (weight_desc). The kernels have no program-order swizzle (GROUP_M):
 programs of one expert's row blocks are already adjacent in launch order, so they share its weight tile in L2.
 
 Every config first runs once on NaN-poisoned memory and is checked against a float32 torch reference of that GEMM
@@ -54,11 +55,18 @@ OUTPUT_TOL = 2e-2    # whole op: the bf16 hidden may round differently from the 
 RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernels, so they mostly just time
 
 BLOCK_MS = (16, 32, 64, 128)
-# (block_n, block_k, num_warps, num_stages), most plausible first: a budget cut loses the least likely configs
-TILES = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
-         (256, 64, 8, 3), (128, 32, 4, 5))
-WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5)))
-SMOKE_BLOCK_MS, SMOKE_TILES = (16, 32), ((16, 16, 1, 1), (32, 16, 1, 1))
+# (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc): GemmConfig's fields, most plausible first (a
+# budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch sweep at 1f768cd
+# had them ahead at block_m 128 (bench/README.md).
+TILES = ((64, 64, 4, 3, 2, True), (128, 64, 8, 4, 2, False), (128, 64, 8, 3, 2, True), (64, 64, 4, 3, 2, False),
+         (128, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, True), (128, 32, 8, 4, 2, True),
+         (128, 64, 4, 3, 2, True), (128, 128, 8, 3, 2, False),
+         (256, 64, 8, 3, 1, False), (256, 64, 8, 3, 1, True), (128, 64, 8, 3, 1, True),
+         (128, 64, 8, 3, 1, False), (128, 64, 4, 3, 1, False), (128, 64, 4, 4, 1, False), (64, 64, 4, 4, 1, False),
+         (64, 128, 4, 3, 1, False), (128, 128, 8, 3, 1, False), (128, 32, 4, 5, 1, False))
+WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True)))
+SMOKE_BLOCK_MS = (16, 32)
+SMOKE_TILES = ((16, 16, 1, 1, 1, False), (32, 16, 1, 1, 1, False), (16, 16, 1, 1, 2, True))
 SHARED_MEMORY_BYTES = 232448                                      # sm90 opt-in limit per block, when torch does not say
 MAX_ACCUMULATOR_REGS = 128                                        # float32 accumulators per thread before spilling
 
@@ -67,7 +75,7 @@ MAX_ACCUMULATOR_REGS = 128                                        # float32 accu
 class Trial:
     gemm: str                      # "gate_up" or "down"
     block_m: int
-    tile: tuple[int, int, int, int]
+    tile: tuple                    # GemmConfig's fields
     status: str                    # "ok", "wrong", "error", "skipped"
     ms: float | None = None
     error: float | None = None     # relative L2 error against the reference
@@ -89,13 +97,21 @@ class ShapeResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _tile(config) -> tuple[int, int, int, int]:
-    return (config.block_n, config.block_k, config.num_warps, config.num_stages)
+def _tile(config) -> tuple:
+    return tuple(config)
 
 
-def fits(gemm: str, block_m: int, tile: tuple[int, int, int, int], shared_bytes: int, element_size: int) -> str:
+def _sub_block_reason(block_m: int, tile: tuple) -> str:
+    sub_blocks = tile[4] if len(tile) > 4 else 1
+    return f"sub-blocks of {block_m // sub_blocks} rows (the dot's smallest tile is 16)" if block_m // sub_blocks < 16 \
+        else ""
+
+
+def fits(gemm: str, block_m: int, tile: tuple, shared_bytes: int, element_size: int) -> str:
     """'' when the config can run, else why not (skipped without compiling; the compiler would refuse or spill)."""
-    block_n, block_k, warps, stages = tile
+    block_n, block_k, warps, stages = tile[:4]
+    if halves := _sub_block_reason(block_m, tile):
+        return halves
     weight_tiles = 2 if gemm == "gate_up" else 1                  # gate/up loads both halves of W13 per K step
     smem = stages * (block_m * block_k + weight_tiles * block_k * block_n) * element_size
     if smem > shared_bytes:
@@ -165,6 +181,12 @@ def _measure(ctx: BenchContext, problem: Problem, gemm: str, blocks, block_m: in
     tile_type = load("kernels.triton.tuning_ops:GemmConfig")
     tile = tile_type(*tile_values)
     trial = Trial(gemm, block_m, tuple(tile_values), "error")
+    if tile.weight_desc:
+        why = load("kernels.triton.moe_experts:weight_desc_unavailable")(
+            ctx.device, problem.w13 if gemm == "gate_up" else problem.w2)
+        if why:
+            trial.status, trial.reason = "skipped", why
+            return trial
     try:
         call = (problem.gate_up_call if gemm == "gate_up" else problem.down_call)(blocks, block_m, tile)
         # NaN in the freed block the output most likely reuses: a routed row left unwritten fails the check
@@ -215,7 +237,9 @@ def tune_shape(ctx: BenchContext, name: str, dims: dict, tokens: int, block_ms, 
         if time.monotonic() > deadline:
             result.trials.append(Trial(gemm, block_m, tuple(tile), "skipped", reason="time budget spent"))
             continue
-        why = fits(gemm, block_m, tile, shared, problem.x.element_size()) if not ctx.smoke else ""
+        # smoke runs skip only what cannot compile anywhere (their tiny tiles fit any resources)
+        why = (fits(gemm, block_m, tile, shared, problem.x.element_size()) if not ctx.smoke
+               else _sub_block_reason(block_m, tile))
         if why:
             result.trials.append(Trial(gemm, block_m, tuple(tile), "skipped", reason=why))
             continue
@@ -286,7 +310,9 @@ def paste_line(result: ShapeResult) -> str:
         return f"# {result.name}: no config passed"
 
     def gemm(values):
-        return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={})".format(*values)
+        extra = "".join(f", {name}={value}" for name, value, default in
+                        zip(("sub_blocks", "weight_desc"), values[4:], (1, False)) if value != default)
+        return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={}".format(*values[:4]) + extra + ")"
     return (f'"{result.row_class}": MoeGemmConfig(block_m={best["block_m"]}, gate_up={gemm(best["gate_up"])}, '
             f'down={gemm(best["down"])}),')
 
@@ -320,8 +346,8 @@ def markdown(results: list[ShapeResult], env: dict) -> str:
              "```", summary(results), "```", ""]
     for r in results:
         lines += [f"## {r.name} (T={r.tokens}, {r.rows} rows)", "",
-                  "| gemm | block_m | block_n | block_k | warps | stages | status | ms | rel err | reason |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| gemm | block_m | block_n | block_k | warps | stages | sub_blocks | weight_desc | status | ms | "
+                  "rel err | reason |", "|---" * 12 + "|"]
         for t in sorted(r.trials, key=lambda t: (t.gemm, t.block_m, t.ms if t.ms is not None else float("inf"))):
             err = "-" if t.error is None else f"{t.error:.1e}"
             lines.append(f"| {t.gemm} | {t.block_m} | {' | '.join(map(str, t.tile))} | {t.status} | {_fmt(t.ms)} | "

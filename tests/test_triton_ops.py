@@ -25,6 +25,7 @@ from kernels.torch import mla as ref_mla  # noqa: E402
 from kernels.torch import moe as ref_moe  # noqa: E402
 from kernels.torch import norm as ref_norm  # noqa: E402
 from kernels.triton import activation, attn_res, mla_decode, mla_prefill, moe_experts, moe_route, norm  # noqa: E402
+from kernels.triton import tuning_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
@@ -241,6 +242,62 @@ def test_moe_experts(num_tokens, activation_name, beta, linear_beta, expert_offs
                                    beta, linear_beta, expert_offset)
     # two float32 GEMMs (K = 48 then 24) of unit-scale values and a 2-term float32 sum
     check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts")
+
+
+@pytest.mark.parametrize("sub_blocks,weight_desc", [(2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])
+def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, weight_desc, hidden, inter, block_n):
+    """Row blocks as two halves sharing each weight tile (the second skipped when all padding) and weight tiles
+    through descriptors, against float64. The routing gives blocks whose second half is used and blocks where it
+    is empty. I = 24 with 16-wide columns: the second gate column block runs into the up rows (masked); D = 40: the
+    last K tile and the last down column block run past the width."""
+    top_k, experts, num_tokens, block_m = 2, 4, 37, 32
+    tile = tuning_ops.GemmConfig(block_n=block_n, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks,
+                                 weight_desc=weight_desc)
+    monkeypatch.setattr(moe_experts, "moe_gemm_config",
+                        lambda *args: tuning_ops.MoeGemmConfig(block_m=block_m, gate_up=tile, down=tile))
+    x = randn(num_tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
+    # expert 0: 37 rows (a full block, then 5 rows: second half empty); expert 1: 20 rows (second half used);
+    # experts 2 and 3: 8 and 9 rows
+    expert_ids = torch.tensor([[0, 1 if t < 20 else 2 + t % 2] for t in range(num_tokens)], device=DEVICE)
+    counts = torch.bincount(expert_ids.reshape(-1).cpu(), minlength=experts)
+    last_rows = (counts - 1) % block_m + 1                           # rows in each expert's last block
+    assert (last_rows > block_m // 2).any() and (last_rows <= block_m // 2).any(), counts
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    with nan_poisoned_allocations():
+        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
+    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
+    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc}")
+
+
+def test_moe_experts_weight_descriptors_fall_back_where_rows_cannot_be_described(monkeypatch):
+    """A 50-wide float32 latent has 200-byte rows (not 16-byte aligned): the table's weight_desc choice becomes the
+    pointer form for that GEMM, the output stays right, and asking a GEMM for descriptors there says why."""
+    hidden, inter, top_k, experts, num_tokens = 50, 24, 2, 4, 9
+    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, weight_desc=True)
+    config = tuning_ops.MoeGemmConfig(block_m=16, gate_up=tile, down=tile)
+    x = randn(num_tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
+    runnable = moe_experts.runnable_config(config, w13, w2)
+    assert not runnable.gate_up.weight_desc                      # W13 rows: 50 floats = 200 bytes
+    assert runnable.down.weight_desc                             # W2 rows: 24 floats = 96 bytes, aligned
+    assert moe_experts.runnable_config(config, w13[:, :, :48].contiguous(), w2) == config
+    assert not moe_experts.runnable_config(config, w13, w2[::2]).down.weight_desc    # strided expert stack
+    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: config)
+    expert_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "silu", None, None)
+    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "silu", None, None)
+    check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts, descriptor table on unaligned rows")
+    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, 16)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, tile)
+    with pytest.raises(ValueError, match="sub_blocks"):
+        moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, tile._replace(sub_blocks=2,
+                                                                                         weight_desc=False))
 
 
 def test_moe_experts_empty_batch():

@@ -27,9 +27,14 @@ def test_smoke_sweep_checks_times_and_writes(tmp_path, capsys):
     assert set(shapes) == {"prefill", "decode"}
     for shape in shapes.values():
         trials = shape["trials"]
-        # 2 block_m x 2 tiles x 2 GEMMs, every one checked (error recorded) and timed
-        assert len(trials) == 8 and all(t["status"] == "ok" and t["ms"] > 0 for t in trials)
-        assert all(t["error"] is not None and t["error"] <= tune_moe.FP32_STATE_TOL for t in trials)
+        # 2 block_m x 3 tiles x 2 GEMMs, every one checked (error recorded) and timed, except the two-half tile at
+        # block_m 16 (8-row halves), which is skipped with its reason
+        timed = [t for t in trials if t["status"] == "ok"]
+        skipped = [t for t in trials if t["status"] == "skipped"]
+        assert len(timed) == 10 and all(t["ms"] > 0 for t in timed)
+        assert len(skipped) == 2 and all(t["block_m"] == 16 and "8 rows" in t["reason"] for t in skipped)
+        assert sum(t["tile"][4] == 2 and t["tile"][5] for t in timed) == 2        # two-half, descriptor tiles
+        assert all(t["error"] is not None and t["error"] <= tune_moe.FP32_STATE_TOL for t in timed)
         assert shape["best"]["block_m"] in tune_moe.SMOKE_BLOCK_MS
         assert shape["best"]["ms"] <= shape["default_ms"]
         assert set(shape["whole_ms"]) == {"moe_experts (triton, current default)", "grouped_mm provider"}
@@ -46,7 +51,7 @@ def test_a_wrong_kernel_is_reported_and_not_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(moe_experts, "down", off_by_a_bit)
     assert tune_moe.main(["--smoke", "--only", "decode", "--out", str(tmp_path)]) == 1
     shape = json.loads((tmp_path / "tune_moe-cpu-smoke.json").read_text())["shapes"][0]
-    down = [t for t in shape["trials"] if t["gemm"] == "down"]
+    down = [t for t in shape["trials"] if t["gemm"] == "down" and t["status"] != "skipped"]   # (8-row halves)
     assert down and all(t["status"] == "wrong" and t["ms"] is None and "rel err" in t["reason"] for t in down)
     assert shape["best"] is None
     assert not any("moe_experts" in label for label in shape["whole_ms"]), "a wrong op must not be timed"
@@ -81,9 +86,10 @@ def test_block_ms_option_limits_the_sweep(tmp_path):
 
 
 def test_fits_skips_configs_that_cannot_run():
-    assert tune_moe.fits("down", 64, (128, 64, 8, 3), 232448, 2) == ""
-    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4), 232448, 2)
-    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3), 232448, 2)
+    assert tune_moe.fits("down", 64, (128, 64, 8, 3, 1, False), 232448, 2) == ""
+    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, 1, False), 232448, 2)
+    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3, 2, True), 232448, 2)
+    assert "16" in tune_moe.fits("down", 16, (64, 64, 4, 3, 2, False), 232448, 2)
 
 
 def test_nvidia_table_has_one_config_per_row_class():

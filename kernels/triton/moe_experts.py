@@ -7,6 +7,11 @@
    the activation stored in x's dtype in sorted order.
 3. Down kernel: per (row block, column block of D) the W2 GEMM, written in float32 to the same sorted row (no atomics,
    so results do not depend on scheduling).
+   Both GEMM kernels can take a row block as two halves that share each weight tile (`GemmConfig.sub_blocks`),
+   the second skipped when it is all padding, and can read the weight tiles through a tensor descriptor
+   (`GemmConfig.weight_desc`, TMA on sm90+; the weights are then addressed as [E * N, K] rows, and a tile that runs
+   past an expert's rows only reaches output columns that the store masks). Why: at K3 prefill the measurements
+   point at L2 traffic, each row block reading its expert's weights once (bench/README.md); taller row tiles cut it.
 4. Combine kernel (`combine_expert_rows`, shared with the torch._grouped_mm provider): each token gathers its k rows,
    scales each by its routing weight and sums them in a fixed order, in float32, and casts once.
 Token chunks bound the float32 row buffer ((T * k + E * BLOCK_M) * D * 4 bytes) to about 1 GiB plus the padding.
@@ -17,75 +22,157 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
-from kernels.triton.tuning_ops import GemmConfig, moe_gemm_config
+from kernels.triton.tuning_ops import GemmConfig, MoeGemmConfig, moe_gemm_config, target
 
 PAIR_BUFFER_BYTES = 1 << 30
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
-                    x_row_stride, w13_expert_stride, w13_row_stride, hidden_row_stride,
-                    num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
-                    TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)                               # sorted positions
-    pairs = tl.load(sorted_pairs_ptr + rows)                                     # [BLOCK_M]
-    row_mask = pairs < num_pairs
-    tokens = pairs // TOP_K
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N] of I
-    col_mask = cols < inter_dim
-    w_gate = w13_ptr + expert.to(tl.int64) * w13_expert_stride + cols[None, :].to(tl.int64) * w13_row_stride
-    w_up = w_gate + inter_dim * w13_row_stride
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k_start in range(0, hidden_dim, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < hidden_dim
-        x_tile = tl.load(x_ptr + tokens[:, None] * x_row_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                         other=0.0)                                              # [BLOCK_M, BLOCK_K]
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        gate_tile = tl.load(w_gate + ks[:, None], mask=w_mask, other=0.0)        # [BLOCK_K, BLOCK_N]
-        up_tile = tl.load(w_up + ks[:, None], mask=w_mask, other=0.0)            # [BLOCK_K, BLOCK_N]
-        acc_gate = tl.dot(x_tile, gate_tile, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(x_tile, up_tile, acc_up, input_precision="ieee")
-    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    tl.store(hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
-             hidden.to(hidden_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+def _weight_tile(w, expert, row_stride_or_rows, expert_stride, row0, cols, col_mask, k_start, ks, k_mask,
+                 DESC: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of W^T for output columns `cols` of one expert: W is [E, N, K] behind a pointer, or
+    [E * N, K] behind a descriptor (then row_stride_or_rows is N, and rows past the expert's are clipped by the
+    caller's store)."""
+    if DESC:
+        tile = w.load([expert.to(tl.int32) * row_stride_or_rows + row0, k_start]).T
+    else:
+        rows = w + expert.to(tl.int64) * expert_stride + cols[None, :].to(tl.int64) * row_stride_or_rows
+        tile = tl.load(rows + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
-def _down_kernel(hidden_ptr, w2_ptr, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
-                 hidden_row_stride, w2_expert_stride, w2_row_stride, rows_out_row_stride,
-                 num_pairs, num_experts, hidden_dim, inter_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
+                        col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
+    """The K loop of gate/up for sub-block a (and b when TWO), both sharing each weight tile."""
+    acc_gate_a = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_up_a = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_gate_b = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_up_b = tl.zeros((SUB, BLOCK_N), tl.float32)
+    # a descriptor addresses W13 as [E * 2I, D] rows (stride argument = 2I); pointers as [E, 2I, D]
+    rows_or_stride = 2 * inter_dim if DESC else w13_row_stride
+    for k_start in range(0, hidden_dim, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < hidden_dim
+        gate_tile = _weight_tile(w13, expert, rows_or_stride, w13_expert_stride, col0, cols, col_mask, k_start, ks,
+                                 k_mask, DESC)                                    # [BLOCK_K, BLOCK_N]
+        up_tile = _weight_tile(w13, expert, rows_or_stride, w13_expert_stride, col0 + inter_dim, cols + inter_dim,
+                               col_mask, k_start, ks, k_mask, DESC)
+        x_a = tl.load(x_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
+        acc_gate_a = tl.dot(x_a, gate_tile, acc_gate_a, input_precision="ieee")
+        acc_up_a = tl.dot(x_a, up_tile, acc_up_a, input_precision="ieee")
+        if TWO:
+            x_b = tl.load(x_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
+            acc_gate_b = tl.dot(x_b, gate_tile, acc_gate_b, input_precision="ieee")
+            acc_up_b = tl.dot(x_b, up_tile, acc_up_b, input_precision="ieee")
+    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                    x_row_stride, w13_expert_stride, w13_row_stride, hidden_row_stride,
+                    num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
+                    TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
+    """One (row block, column block of I). With SUB_BLOCKS = 2 the row block is two halves that share each
+    weight tile, the second skipped when it holds only padding (see `GemmConfig.sub_blocks`)."""
+    SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)                                     # [BLOCK_M]
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N] of D
-    col_mask = cols < hidden_dim
-    w_rows = w2_ptr + expert.to(tl.int64) * w2_expert_stride + cols[None, :].to(tl.int64) * w2_row_stride
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    rows_a = block * BLOCK_M + tl.arange(0, SUB)                                 # sorted positions
+    pairs_a = tl.load(sorted_pairs_ptr + rows_a)                                 # [SUB]
+    mask_a = pairs_a < num_pairs
+    rows_b = rows_a + SUB                             # the second half; past the block (masked) when SUB_BLOCKS = 1
+    pairs_b = tl.load(sorted_pairs_ptr + rows_b, mask=rows_b < (block + 1) * BLOCK_M, other=num_pairs)
+    mask_b = pairs_b < num_pairs
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of I
+    col_mask = cols < inter_dim
+    x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
+    x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
+    # padding sits at the end of an expert's rows: the second half is used iff its first row is a pair
+    two = False
+    if SUB_BLOCKS == 2:
+        two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
+    if two:
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC)
+        hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+        tl.store(hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
+                 hidden_b.to(hidden_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
+    else:
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC)
+    hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    tl.store(hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
+             hidden_a.to(hidden_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride, w2_expert_stride, col0, cols,
+                     col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
+    acc_a = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_b = tl.zeros((SUB, BLOCK_N), tl.float32)
+    rows_or_stride = hidden_dim if DESC else w2_row_stride                      # descriptor: W2 as [E * D, I]
     for k_start in range(0, inter_dim, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < inter_dim
-        h_tile = tl.load(hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride + ks[None, :],
-                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)   # [BLOCK_M, BLOCK_K]
-        w_tile = tl.load(w_rows + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                         other=0.0)                                              # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(h_tile, w_tile, acc, input_precision="ieee")
-    tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
-             acc.to(rows_out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        w_tile = _weight_tile(w2, expert, rows_or_stride, w2_expert_stride, col0, cols, col_mask, k_start, ks,
+                              k_mask, DESC)                                       # [BLOCK_K, BLOCK_N]
+        h_a = tl.load(h_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
+        acc_a = tl.dot(h_a, w_tile, acc_a, input_precision="ieee")
+        if TWO:
+            h_b = tl.load(h_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
+            acc_b = tl.dot(h_b, w_tile, acc_b, input_precision="ieee")
+    return acc_a, acc_b
+
+
+@triton.jit
+def _down_kernel(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                 hidden_row_stride, w2_expert_stride, w2_row_stride, rows_out_row_stride,
+                 num_pairs, num_experts, hidden_dim, inter_dim,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
+    SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows_a = block * BLOCK_M + tl.arange(0, SUB)
+    mask_a = tl.load(sorted_pairs_ptr + rows_a) < num_pairs                     # [SUB]
+    rows_b = rows_a + SUB
+    mask_b = tl.load(sorted_pairs_ptr + rows_b, mask=rows_b < (block + 1) * BLOCK_M, other=num_pairs) < num_pairs
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of D
+    col_mask = cols < hidden_dim
+    h_rows_a = hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride
+    h_rows_b = hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride
+    two = False
+    if SUB_BLOCKS == 2:
+        two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
+    if two:
+        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
+                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
+                                        BLOCK_N, BLOCK_K, True, DESC)
+        tl.store(rows_out_ptr + rows_b[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
+                 acc_b.to(rows_out_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
+    else:
+        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
+                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
+                                        BLOCK_N, BLOCK_K, False, DESC)
+    tl.store(rows_out_ptr + rows_a[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
+             acc_a.to(rows_out_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -122,44 +209,95 @@ def combine_expert_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: 
         expert_offset, num_experts, hidden_dim, TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1)
 
 
+def weight_desc_unavailable(device: torch.device, *weights: torch.Tensor) -> str:
+    """Why `GemmConfig.weight_desc` cannot run on `device` for these [E, N, K] expert weights ('' when it can): a
+    descriptor needs NVIDIA sm90+ (the interpreter emulates it) and the experts stacked densely with 16-byte
+    aligned base and rows, fewer than 2^31 rows in all (its coordinates are int32)."""
+    kind = target(device)
+    if kind == "amd":
+        return "weight descriptors are used only on NVIDIA sm90+ here (no AMD path written or measured)"
+    if kind == "nvidia" and torch.cuda.get_device_capability(device)[0] < 9:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"weight descriptors need sm90+ (TMA); this GPU is sm{major}{minor}"
+    for w in weights:
+        if w.stride(2) != 1 or w.stride(0) != w.shape[1] * w.stride(1):
+            return f"a descriptor needs densely stacked experts with contiguous rows, got strides {w.stride()}"
+        if w.data_ptr() % 16 or (w.stride(1) * w.element_size()) % 16:
+            return (f"a descriptor needs 16-byte aligned rows: {tuple(w.shape)} {w.dtype} rows of "
+                    f"{w.stride(1) * w.element_size()} bytes at address {w.data_ptr() % 16} mod 16")
+        if w.shape[0] * w.shape[1] >= 2 ** 31:
+            return f"descriptor coordinates are int32: {w.shape[0] * w.shape[1]} weight rows is too many"
+    return ""
+
+
+def _check_tile(tile: GemmConfig, block_m: int, what: str) -> None:
+    if tile.sub_blocks not in (1, 2) or block_m % tile.sub_blocks or block_m // tile.sub_blocks < 16:
+        raise ValueError(f"moe_experts {what}: sub_blocks must be 1 or 2 and leave sub-blocks of >= 16 rows "
+                         f"(the dot's smallest tile); got sub_blocks={tile.sub_blocks} with block_m={block_m}")
+
+
+def _weights_arg(weights: torch.Tensor, tile: GemmConfig, what: str):
+    """The kernel's weight argument: the [E, N, K] tensor, or a descriptor of it as [E * N, K] rows."""
+    if not tile.weight_desc:
+        return weights
+    why = weight_desc_unavailable(weights.device, weights)
+    if why:
+        raise ValueError(f"moe_experts {what}: weight_desc tiles cannot run here: {why}")
+    return TensorDescriptor.from_tensor(weights.view(-1, weights.shape[2]), [tile.block_n, tile.block_k])
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int, activation: str,
             situ_beta: float | None, situ_linear_beta: float | None, block_m: int, tile: GemmConfig) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
+    _check_tile(tile, block_m, "gate_up")
     num_pairs = blocks.row_of_pair.numel()
     num_experts, two_inter, hidden_dim = w13.shape
     inter_dim = two_inter // 2
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * block_m, inter_dim, dtype=x.dtype, device=x.device)  # [P_pad, I]
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
-        x, w13, hidden, blocks.sorted_pairs, blocks.block_experts,
+        x, _weights_arg(w13, tile, "gate_up"), hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim, float(situ_beta if situ_beta is not None else 1.0),
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_BLOCKS=tile.sub_blocks,
+        DESC=tile.weight_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return hidden
 
 
 def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: int, tile: GemmConfig) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
+    _check_tile(tile, block_m, "down")
     num_pairs = blocks.row_of_pair.numel()
     num_experts, hidden_dim, inter_dim = w2.shape
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * block_m, hidden_dim, dtype=torch.float32, device=hidden.device)  # [P_pad, D]
     _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
-        hidden, w2, rows_out, blocks.sorted_pairs, blocks.block_experts,
+        hidden, _weights_arg(w2, tile, "down"), rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2.stride(0), w2.stride(1), rows_out.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_BLOCKS=tile.sub_blocks,
+        DESC=tile.weight_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return rows_out
+
+
+def runnable_config(config: MoeGemmConfig, w13: torch.Tensor, w2: torch.Tensor) -> MoeGemmConfig:
+    """`config` with weight_desc switched off for a GEMM whose weights a descriptor cannot address (a strided
+    expert slice, odd widths, a non-sm90 GPU): the table picks the form for the shapes it was tuned on, and the
+    pointer form serves the rest."""
+    gate_up_tile, down_tile = config.gate_up, config.down
+    if gate_up_tile.weight_desc and weight_desc_unavailable(w13.device, w13):
+        gate_up_tile = gate_up_tile._replace(weight_desc=False)
+    if down_tile.weight_desc and weight_desc_unavailable(w2.device, w2):
+        down_tile = down_tile._replace(weight_desc=False)
+    return config._replace(gate_up=gate_up_tile, down=down_tile)
 
 
 def _experts_chunk(x, w13, w2, weights, expert_ids, activation, situ_beta, situ_linear_beta, expert_offset, out):
     num_experts = w13.shape[0]
     top_k = expert_ids.shape[1]
-    config = moe_gemm_config(x.device, x.shape[0] * top_k, x.element_size())
+    config = runnable_config(moe_gemm_config(x.device, x.shape[0] * top_k, x.element_size()), w13, w2)
     blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, config.block_m)
     hidden = gate_up(x, w13, blocks, top_k, activation, situ_beta, situ_linear_beta, config.block_m, config.gate_up)
     rows_out = down(hidden, w2, blocks, config.block_m, config.down)

@@ -189,6 +189,13 @@ class GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # 2: the program's block_m rows are two halves that share each weight tile, the second skipped when it holds
+    # only padding. A 128-row block then reads an expert's weights once per 128 rows at the MMA cost of 64-row
+    # blocks (about 146 rows per expert at K3 prefill: two weight passes and three 64-row products, where 64-row
+    # blocks take three passes and 128-row blocks compute 256 rows).
+    sub_blocks: int = 1
+    # weight tiles through a tensor descriptor (the TMA copy engine, NVIDIA sm90+) instead of pointer tiles
+    weight_desc: bool = False
 
 
 class MoeGemmConfig(NamedTuple):
