@@ -216,9 +216,12 @@ _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     # bench/results/tune_moe-nvidia-h200.md (2026-11-29): 1.12x the old default at 64 tokens x top-16
     "rows 257-2048": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
                                    down=GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)),
-    # 1.10x the old default at 1024 tokens x top-16 (still 0.74x torch._grouped_mm's two GEMMs)
-    "rows 2049+": MoeGemmConfig(block_m=64, gate_up=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3),
-                                down=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)),
+    # bench/results/tune_moe-nvidia-h200.md (f644e33): two-half 128-row blocks with descriptor weight tiles,
+    # 3.42 ms for the pair at 1024 tokens x top-16 against 3.88 for the 64-row pointer tiles before (1.14x);
+    # torch._grouped_mm's pair 2.91 ms in the same run
+    "rows 2049+": MoeGemmConfig(block_m=128, gate_up=GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=3,
+                                                                sub_blocks=2, weight_desc=True),
+                                down=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3, weight_desc=True)),
 }
 
 
