@@ -213,7 +213,8 @@ MOE_GEMM_ROW_CLASSES = ((256, "rows 1-256"), (2048, "rows 257-2048"), (None, "ro
 _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     "rows 1-256": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
                                 down=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)),
-    # bench/results/tune_moe-nvidia-h200.md (2026-11-29): 1.12x the old default at 64 tokens x top-16
+    # the 2026-11-29 sweep (tune_moe-nvidia-h200.md in git before f67c61b): 1.12x the old default at 64 tokens x
+    # top-16; still the best in tune_moe-decode-nvidia-h200.md (f644e33)
     "rows 257-2048": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
                                    down=GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)),
     # bench/results/tune_moe-nvidia-h200.md (f644e33): two-half 128-row blocks with descriptor weight tiles,
