@@ -6,10 +6,9 @@
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
 one row layout) is swept on the outside; for each block_m the gate/up GEMM (GLU fused) and the down GEMM are swept
-on their own over GemmConfig: (block_n, block_k, num_warps, num_stages), the two-half row tiles (sub_blocks),
-weight tiles through descriptors (weight_desc) and row/output tiles through descriptors (rows_desc). The kernels
-have no program-order swizzle (GROUP_M): programs of one expert's row blocks are already adjacent in launch order,
-so they share its weight tile in L2.
+on their own over GemmConfig: (block_n, block_k, num_warps, num_stages), the two-half row tiles (sub_blocks) and
+weight tiles through descriptors (weight_desc). The kernels have no program-order swizzle (GROUP_M):
+programs of one expert's row blocks are already adjacent in launch order, so they share its weight tile in L2.
 
 Every config first runs once on NaN-poisoned memory and is checked against a float32 torch reference of that GEMM
 on the same bf16 inputs (every routed row, relative L2 error); only a config that compiled and passed is timed
@@ -56,22 +55,18 @@ OUTPUT_TOL = 2e-2    # whole op: the bf16 hidden may round differently from the 
 RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernels, so they mostly just time
 
 BLOCK_MS = (16, 32, 64, 128)
-# (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc, rows_desc): GemmConfig's fields, most
-# plausible first (a budget cut loses the least likely configs). Every operand through descriptors first: offline
-# sm_90 compiles of those do not spill at 128-row blocks (bench/README.md), then the two-half tiles with pointer
-# rows (the table before), then the one-block pointer tiles of the first sweeps.
-TILES = ((128, 64, 8, 3, 2, True, True), (128, 64, 8, 4, 2, True, True), (64, 64, 4, 3, 2, True, True),
-         (256, 64, 8, 3, 2, True, True), (128, 64, 8, 3, 1, True, True), (128, 64, 4, 3, 2, True, True),
-         (128, 128, 8, 3, 2, True, True), (256, 64, 8, 3, 1, True, True),
-         (64, 64, 4, 3, 2, True, False), (128, 64, 8, 4, 2, False, False), (128, 64, 8, 3, 2, True, False),
-         (256, 64, 8, 3, 2, True, False), (256, 64, 8, 3, 1, True, False), (128, 64, 8, 3, 1, True, False),
-         (256, 64, 8, 3, 1, False, False), (128, 64, 8, 3, 1, False, False), (128, 64, 4, 3, 1, False, False),
-         (128, 64, 4, 4, 1, False, False), (64, 64, 4, 4, 1, False, False), (64, 128, 4, 3, 1, False, False),
-         (128, 128, 8, 3, 1, False, False), (128, 32, 4, 5, 1, False, False))
-WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True),
-                                     (False, True)))
+# (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc): GemmConfig's fields, most plausible first (a
+# budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch sweep at 1f768cd
+# had them ahead at block_m 128 (bench/README.md).
+TILES = ((64, 64, 4, 3, 2, True), (128, 64, 8, 4, 2, False), (128, 64, 8, 3, 2, True), (64, 64, 4, 3, 2, False),
+         (128, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, True), (128, 32, 8, 4, 2, True),
+         (128, 64, 4, 3, 2, True), (128, 128, 8, 3, 2, False),
+         (256, 64, 8, 3, 1, False), (256, 64, 8, 3, 1, True), (128, 64, 8, 3, 1, True),
+         (128, 64, 8, 3, 1, False), (128, 64, 4, 3, 1, False), (128, 64, 4, 4, 1, False), (64, 64, 4, 4, 1, False),
+         (64, 128, 4, 3, 1, False), (128, 128, 8, 3, 1, False), (128, 32, 4, 5, 1, False))
+WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True)))
 SMOKE_BLOCK_MS = (16, 32)
-SMOKE_TILES = ((16, 16, 1, 1, 1, False, False), (32, 16, 1, 1, 1, False, False), (16, 16, 1, 1, 2, True, True))
+SMOKE_TILES = ((16, 16, 1, 1, 1, False), (32, 16, 1, 1, 1, False), (16, 16, 1, 1, 2, True))
 SHARED_MEMORY_BYTES = 232448                                      # sm90 opt-in limit per block, when torch does not say
 MAX_ACCUMULATOR_REGS = 128                                        # float32 accumulators per thread before spilling
 
@@ -119,8 +114,6 @@ def fits(gemm: str, block_m: int, tile: tuple, shared_bytes: int, element_size: 
         return halves
     weight_tiles = 2 if gemm == "gate_up" else 1                  # gate/up loads both halves of W13 per K step
     smem = stages * (block_m * block_k + weight_tiles * block_k * block_n) * element_size
-    if len(tile) > 6 and tile[6]:                  # rows_desc: one sub-block's output tile is staged for its store
-        smem += block_m // tile[4] * block_n * (element_size if gemm == "gate_up" else 4)
     if smem > shared_bytes:
         return f"needs {smem} bytes of shared memory, the device has {shared_bytes}"
     regs = weight_tiles * block_m * block_n // (32 * warps)
@@ -318,8 +311,7 @@ def paste_line(result: ShapeResult) -> str:
 
     def gemm(values):
         extra = "".join(f", {name}={value}" for name, value, default in
-                        zip(("sub_blocks", "weight_desc", "rows_desc"), values[4:], (1, False, False))
-                        if value != default)
+                        zip(("sub_blocks", "weight_desc"), values[4:], (1, False)) if value != default)
         return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={}".format(*values[:4]) + extra + ")"
     return (f'"{result.row_class}": MoeGemmConfig(block_m={best["block_m"]}, gate_up={gemm(best["gate_up"])}, '
             f'down={gemm(best["down"])}),')
@@ -354,8 +346,8 @@ def markdown(results: list[ShapeResult], env: dict) -> str:
              "```", summary(results), "```", ""]
     for r in results:
         lines += [f"## {r.name} (T={r.tokens}, {r.rows} rows)", "",
-                  "| gemm | block_m | block_n | block_k | warps | stages | sub_blocks | weight_desc | rows_desc "
-                  "| status | ms | rel err | reason |", "|---" * 13 + "|"]
+                  "| gemm | block_m | block_n | block_k | warps | stages | sub_blocks | weight_desc | status | ms | "
+                  "rel err | reason |", "|---" * 12 + "|"]
         for t in sorted(r.trials, key=lambda t: (t.gemm, t.block_m, t.ms if t.ms is not None else float("inf"))):
             err = "-" if t.error is None else f"{t.error:.1e}"
             lines.append(f"| {t.gemm} | {t.block_m} | {' | '.join(map(str, t.tile))} | {t.status} | {_fmt(t.ms)} | "

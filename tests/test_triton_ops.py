@@ -244,19 +244,16 @@ def test_moe_experts(num_tokens, activation_name, beta, linear_beta, expert_offs
     check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts")
 
 
-@pytest.mark.parametrize("sub_blocks,weight_desc,rows_desc", [(2, False, False), (1, True, False), (2, True, False),
-                                                              (1, False, True), (2, True, True)])
+@pytest.mark.parametrize("sub_blocks,weight_desc", [(2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])
-def test_moe_experts_sub_blocks_and_descriptors(monkeypatch, sub_blocks, weight_desc, rows_desc, hidden, inter,
-                                                block_n):
-    """Row blocks as two halves sharing each weight tile (the second skipped when all padding), weight tiles and
-    row/output tiles through descriptors, against float64 (NaN-poisoned buffers: a sorted row or output left
-    unwritten fails). The routing gives blocks whose second half is used and blocks where it is empty. I = 24 with
-    16-wide columns: the second gate column block runs into the up rows (masked or clipped); D = 40: the last K
-    tile and the last down column block run past the width."""
+def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, weight_desc, hidden, inter, block_n):
+    """Row blocks as two halves sharing each weight tile (the second skipped when all padding) and weight tiles
+    through descriptors, against float64. The routing gives blocks whose second half is used and blocks where it
+    is empty. I = 24 with 16-wide columns: the second gate column block runs into the up rows (masked); D = 40: the
+    last K tile and the last down column block run past the width."""
     top_k, experts, num_tokens, block_m = 2, 4, 37, 32
     tile = tuning_ops.GemmConfig(block_n=block_n, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks,
-                                 weight_desc=weight_desc, rows_desc=rows_desc)
+                                 weight_desc=weight_desc)
     monkeypatch.setattr(moe_experts, "moe_gemm_config",
                         lambda *args: tuning_ops.MoeGemmConfig(block_m=block_m, gate_up=tile, down=tile))
     x = randn(num_tokens, hidden)
@@ -272,10 +269,10 @@ def test_moe_experts_sub_blocks_and_descriptors(monkeypatch, sub_blocks, weight_
     with nan_poisoned_allocations():
         out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
     expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
-    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts {tile}")
+    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc}")
 
 
-def test_moe_experts_descriptors_fall_back_where_rows_cannot_be_described(monkeypatch):
+def test_moe_experts_weight_descriptors_fall_back_where_rows_cannot_be_described(monkeypatch):
     """A 50-wide float32 latent has 200-byte rows (not 16-byte aligned): the table's weight_desc choice becomes the
     pointer form for that GEMM, the output stays right, and asking a GEMM for descriptors there says why."""
     hidden, inter, top_k, experts, num_tokens = 50, 24, 2, 4, 9
@@ -289,11 +286,6 @@ def test_moe_experts_descriptors_fall_back_where_rows_cannot_be_described(monkey
     assert runnable.down.weight_desc                             # W2 rows: 24 floats = 96 bytes, aligned
     assert moe_experts.runnable_config(config, w13[:, :, :48].contiguous(), w2) == config
     assert not moe_experts.runnable_config(config, w13, w2[::2]).down.weight_desc    # strided expert stack
-    rows = config._replace(gate_up=tile._replace(weight_desc=False, rows_desc=True),
-                           down=tile._replace(weight_desc=False, rows_desc=True))
-    runnable = moe_experts.runnable_config(rows, w13, w2)
-    assert not runnable.gate_up.rows_desc and not runnable.down.rows_desc   # x and the float32 output: 200 bytes
-    assert moe_experts.runnable_config(rows, w13[:, :, :48].contiguous(), w2[:, :48].contiguous()) == rows
     monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: config)
     expert_ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(num_tokens)]).to(DEVICE)
     weights = torch.rand(num_tokens, top_k, device=DEVICE)
@@ -303,8 +295,6 @@ def test_moe_experts_descriptors_fall_back_where_rows_cannot_be_described(monkey
     blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, 16)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, tile)
-    with pytest.raises(ValueError, match="rows_desc tiles cannot run here: a descriptor needs 16-byte aligned rows"):
-        moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, rows.gate_up)
     with pytest.raises(ValueError, match="sub_blocks"):
         moe_experts.gate_up(x, w13, blocks, top_k, "silu", None, None, 16, tile._replace(sub_blocks=2,
                                                                                          weight_desc=False))

@@ -33,7 +33,7 @@ def test_smoke_sweep_checks_times_and_writes(tmp_path, capsys):
         skipped = [t for t in trials if t["status"] == "skipped"]
         assert len(timed) == 10 and all(t["ms"] > 0 for t in timed)
         assert len(skipped) == 2 and all(t["block_m"] == 16 and "8 rows" in t["reason"] for t in skipped)
-        assert sum(t["tile"][4] == 2 and t["tile"][5] and t["tile"][6] for t in timed) == 2   # all descriptors
+        assert sum(t["tile"][4] == 2 and t["tile"][5] for t in timed) == 2        # two-half, descriptor tiles
         assert all(t["error"] is not None and t["error"] <= tune_moe.FP32_STATE_TOL for t in timed)
         assert shape["best"]["block_m"] in tune_moe.SMOKE_BLOCK_MS
         assert shape["best"]["ms"] <= shape["default_ms"]
@@ -86,14 +86,10 @@ def test_block_ms_option_limits_the_sweep(tmp_path):
 
 
 def test_fits_skips_configs_that_cannot_run():
-    assert tune_moe.fits("down", 64, (128, 64, 8, 3, 1, False, False), 232448, 2) == ""
-    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, 1, False, False), 232448, 2)
-    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3, 2, True, False), 232448, 2)
-    assert "16" in tune_moe.fits("down", 16, (64, 64, 4, 3, 2, False, False), 232448, 2)
-    # row descriptors stage one sub-block's float32 output tile: 128 x 256 of it tips this down tile over
-    assert tune_moe.fits("down", 128, (256, 64, 8, 3, 1, True, False), 232448, 2) == ""
-    assert "shared memory" in tune_moe.fits("down", 128, (256, 64, 8, 3, 1, True, True), 232448, 2)
-    assert tune_moe.fits("down", 128, (256, 64, 8, 3, 2, True, True), 232448, 2) == ""
+    assert tune_moe.fits("down", 64, (128, 64, 8, 3, 1, False), 232448, 2) == ""
+    assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, 1, False), 232448, 2)
+    assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3, 2, True), 232448, 2)
+    assert "16" in tune_moe.fits("down", 16, (64, 64, 4, 3, 2, False), 232448, 2)
 
 
 def test_nvidia_table_has_one_config_per_row_class():

@@ -46,50 +46,9 @@ def _weight_tile(w, expert, row_stride_or_rows, expert_stride, row0, cols, col_m
 
 
 @triton.jit
-def _row_tile(src, row_ptrs, row_mask, row, k_start, ks, k_mask, DESC: tl.constexpr):
-    """[SUB, BLOCK_K] of the sorted rows from `row`: through a descriptor over the sorted copy, or by pointers."""
-    if DESC:
-        tile = src.load([row, k_start])
-    else:
-        tile = tl.load(row_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
-def _store_rows(dst, rows, row0, row_stride, row_mask, cols, col0, col_mask, value, DESC: tl.constexpr):
-    """Store a [SUB, BLOCK_N] output tile at sorted rows `rows`: a descriptor writes the whole tile (padding rows
-    too, which nothing reads; columns past the width are clipped), pointers write the routed rows only."""
-    if DESC:
-        dst.store([row0, col0], value.to(dst.dtype))
-    else:
-        tl.store(dst + rows[:, None].to(tl.int64) * row_stride + cols[None, :], value.to(dst.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _gather_sorted_rows_kernel(x_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, x_row_stride, out_row_stride,
-                               num_pairs, num_experts, hidden_dim, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
-    """out[r] = x[token of sorted pair r] for the rows of used blocks, zeros in their padding rows: the sorted copy
-    of x that gate/up reads through a descriptor (`GemmConfig.rows_desc`)."""
-    block = tl.program_id(0)
-    if tl.load(block_experts_ptr + block) >= num_experts:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)                               # sorted positions
-    pairs = tl.load(sorted_pairs_ptr + rows)                                     # [BLOCK_M]
-    row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < hidden_dim
-    values = tl.load(x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * x_row_stride + cols[None, :],
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)      # [BLOCK_M, BLOCK_D]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :], values, mask=col_mask[None, :])
-
-
-@triton.jit
-def _gate_up_accumulate(x, x_rows_a, mask_a, x_rows_b, mask_b, row_a, w13, expert, w13_row_stride,
-                        w13_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr,
-                        ROWS_DESC: tl.constexpr):
+def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
+                        col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
     """The K loop of gate/up for sub-block a (and b when TWO), both sharing each weight tile."""
     acc_gate_a = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_up_a = tl.zeros((SUB, BLOCK_N), tl.float32)
@@ -104,26 +63,25 @@ def _gate_up_accumulate(x, x_rows_a, mask_a, x_rows_b, mask_b, row_a, w13, exper
                                  k_mask, DESC)                                    # [BLOCK_K, BLOCK_N]
         up_tile = _weight_tile(w13, expert, rows_or_stride, w13_expert_stride, col0 + inter_dim, cols + inter_dim,
                                col_mask, k_start, ks, k_mask, DESC)
-        x_a = _row_tile(x, x_rows_a, mask_a, row_a, k_start, ks, k_mask, ROWS_DESC)  # [SUB, BLOCK_K]
+        x_a = tl.load(x_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
         acc_gate_a = tl.dot(x_a, gate_tile, acc_gate_a, input_precision="ieee")
         acc_up_a = tl.dot(x_a, up_tile, acc_up_a, input_precision="ieee")
         if TWO:
-            x_b = _row_tile(x, x_rows_b, mask_b, row_a + SUB, k_start, ks, k_mask, ROWS_DESC)
+            x_b = tl.load(x_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
             acc_gate_b = tl.dot(x_b, gate_tile, acc_gate_b, input_precision="ieee")
             acc_up_b = tl.dot(x_b, up_tile, acc_up_b, input_precision="ieee")
     return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
 
 
 @triton.jit
-def _gate_up_kernel(x, w13, hidden, sorted_pairs_ptr, block_experts_ptr,
+def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                     x_row_stride, w13_expert_stride, w13_row_stride, hidden_row_stride,
                     num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                     TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr, ROWS_DESC: tl.constexpr):
+                    SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
     """One (row block, column block of I). With SUB_BLOCKS = 2 the row block is two halves that share each
-    weight tile, the second skipped when it holds only padding (see `GemmConfig.sub_blocks`). ROWS_DESC: x is a
-    descriptor over its sorted copy and hidden a descriptor (`GemmConfig.rows_desc`); else both are pointers."""
+    weight tile, the second skipped when it holds only padding (see `GemmConfig.sub_blocks`)."""
     SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -138,34 +96,32 @@ def _gate_up_kernel(x, w13, hidden, sorted_pairs_ptr, block_experts_ptr,
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of I
     col_mask = cols < inter_dim
-    if ROWS_DESC:
-        x_rows_a, x_rows_b = x, x                       # unused: the descriptor addresses rows by position
-    else:
-        x_rows_a = x + (pairs_a // TOP_K)[:, None] * x_row_stride
-        x_rows_b = x + (pairs_b // TOP_K)[:, None] * x_row_stride
+    x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
+    x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
     # padding sits at the end of an expert's rows: the second half is used iff its first row is a pair
     two = False
     if SUB_BLOCKS == 2:
         two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
     if two:
         acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
-            x, x_rows_a, mask_a, x_rows_b, mask_b, block * BLOCK_M, w13, expert, w13_row_stride, w13_expert_stride,
-            col0, cols, col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC, ROWS_DESC)
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC)
         hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-        _store_rows(hidden, rows_b, block * BLOCK_M + SUB, hidden_row_stride, mask_b, cols, col0, col_mask, hidden_b,
-                    ROWS_DESC)
+        tl.store(hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
+                 hidden_b.to(hidden_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
     else:
         acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
-            x, x_rows_a, mask_a, x_rows_b, mask_b, block * BLOCK_M, w13, expert, w13_row_stride, w13_expert_stride,
-            col0, cols, col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC, ROWS_DESC)
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC)
     hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    _store_rows(hidden, rows_a, block * BLOCK_M, hidden_row_stride, mask_a, cols, col0, col_mask, hidden_a, ROWS_DESC)
+    tl.store(hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
+             hidden_a.to(hidden_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _down_accumulate(h, h_rows_a, mask_a, h_rows_b, mask_b, row_a, w2, expert, w2_row_stride, w2_expert_stride,
-                     col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr, ROWS_DESC: tl.constexpr):
+def _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride, w2_expert_stride, col0, cols,
+                     col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
     acc_a = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_b = tl.zeros((SUB, BLOCK_N), tl.float32)
     rows_or_stride = hidden_dim if DESC else w2_row_stride                      # descriptor: W2 as [E * D, I]
@@ -174,22 +130,20 @@ def _down_accumulate(h, h_rows_a, mask_a, h_rows_b, mask_b, row_a, w2, expert, w
         k_mask = ks < inter_dim
         w_tile = _weight_tile(w2, expert, rows_or_stride, w2_expert_stride, col0, cols, col_mask, k_start, ks,
                               k_mask, DESC)                                       # [BLOCK_K, BLOCK_N]
-        h_a = _row_tile(h, h_rows_a, mask_a, row_a, k_start, ks, k_mask, ROWS_DESC)    # [SUB, BLOCK_K]
+        h_a = tl.load(h_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
         acc_a = tl.dot(h_a, w_tile, acc_a, input_precision="ieee")
         if TWO:
-            h_b = _row_tile(h, h_rows_b, mask_b, row_a + SUB, k_start, ks, k_mask, ROWS_DESC)
+            h_b = tl.load(h_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
             acc_b = tl.dot(h_b, w_tile, acc_b, input_precision="ieee")
     return acc_a, acc_b
 
 
 @triton.jit
-def _down_kernel(hidden, w2, rows_out, sorted_pairs_ptr, block_experts_ptr,
+def _down_kernel(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                  hidden_row_stride, w2_expert_stride, w2_row_stride, rows_out_row_stride,
                  num_pairs, num_experts, hidden_dim, inter_dim,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr, ROWS_DESC: tl.constexpr):
-    """One (row block, column block of D); SUB_BLOCKS, DESC and ROWS_DESC as in _gate_up_kernel (ROWS_DESC: hidden
-    and rows_out are descriptors)."""
+                 SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
     SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -202,26 +156,23 @@ def _down_kernel(hidden, w2, rows_out, sorted_pairs_ptr, block_experts_ptr,
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of D
     col_mask = cols < hidden_dim
-    if ROWS_DESC:
-        h_rows_a, h_rows_b = hidden, hidden             # unused: the descriptor addresses rows by position
-    else:
-        h_rows_a = hidden + rows_a[:, None].to(tl.int64) * hidden_row_stride
-        h_rows_b = hidden + rows_b[:, None].to(tl.int64) * hidden_row_stride
+    h_rows_a = hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride
+    h_rows_b = hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride
     two = False
     if SUB_BLOCKS == 2:
         two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
     if two:
-        acc_a, acc_b = _down_accumulate(hidden, h_rows_a, mask_a, h_rows_b, mask_b, block * BLOCK_M, w2, expert,
-                                        w2_row_stride, w2_expert_stride, col0, cols, col_mask, hidden_dim,
-                                        inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC, ROWS_DESC)
-        _store_rows(rows_out, rows_b, block * BLOCK_M + SUB, rows_out_row_stride, mask_b, cols, col0, col_mask, acc_b,
-                    ROWS_DESC)
+        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
+                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
+                                        BLOCK_N, BLOCK_K, True, DESC)
+        tl.store(rows_out_ptr + rows_b[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
+                 acc_b.to(rows_out_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
     else:
-        acc_a, acc_b = _down_accumulate(hidden, h_rows_a, mask_a, h_rows_b, mask_b, block * BLOCK_M, w2, expert,
-                                        w2_row_stride, w2_expert_stride, col0, cols, col_mask, hidden_dim,
-                                        inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC, ROWS_DESC)
-    _store_rows(rows_out, rows_a, block * BLOCK_M, rows_out_row_stride, mask_a, cols, col0, col_mask, acc_a,
-                ROWS_DESC)
+        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
+                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
+                                        BLOCK_N, BLOCK_K, False, DESC)
+    tl.store(rows_out_ptr + rows_a[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
+             acc_a.to(rows_out_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -279,21 +230,6 @@ def weight_desc_unavailable(device: torch.device, *weights: torch.Tensor) -> str
     return ""
 
 
-def rows_desc_unavailable(device: torch.device, row_widths: dict[str, tuple[int, int]]) -> str:
-    """Why `GemmConfig.rows_desc` cannot run ('' when it can): NVIDIA sm90+ (or the interpreter), and 16-byte
-    rows in the sorted buffers it describes, given as {name: (row width, element size)}."""
-    kind = target(device)
-    if kind == "amd":
-        return "row descriptors are used only on NVIDIA sm90+ here (no AMD path written or measured)"
-    if kind == "nvidia" and torch.cuda.get_device_capability(device)[0] < 9:
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"row descriptors need sm90+ (TMA); this GPU is sm{major}{minor}"
-    for name, (width, element_size) in row_widths.items():
-        if (width * element_size) % 16:
-            return f"a descriptor needs 16-byte aligned rows: {name} rows are {width * element_size} bytes"
-    return ""
-
-
 def _check_tile(tile: GemmConfig, block_m: int, what: str) -> None:
     if tile.sub_blocks not in (1, 2) or block_m % tile.sub_blocks or block_m // tile.sub_blocks < 16:
         raise ValueError(f"moe_experts {what}: sub_blocks must be 1 or 2 and leave sub-blocks of >= 16 rows "
@@ -319,28 +255,14 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int
     inter_dim = two_inter // 2
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * block_m, inter_dim, dtype=x.dtype, device=x.device)  # [P_pad, I]
-    x_arg, hidden_arg = x, hidden
-    if tile.rows_desc:
-        why = rows_desc_unavailable(x.device, {"x": (hidden_dim, x.element_size()),
-                                               "hidden": (inter_dim, x.element_size())})
-        if why:
-            raise ValueError(f"moe_experts gate_up: rows_desc tiles cannot run here: {why}")
-        x_sorted = torch.empty(num_blocks * block_m, hidden_dim, dtype=x.dtype, device=x.device)  # [P_pad, D]
-        gather_d = min(256, triton.next_power_of_2(hidden_dim))
-        _gather_sorted_rows_kernel[(num_blocks, triton.cdiv(hidden_dim, gather_d))](
-            x, x_sorted, blocks.sorted_pairs, blocks.block_experts, x.stride(0), x_sorted.stride(0), num_pairs,
-            num_experts, hidden_dim, TOP_K=top_k, BLOCK_M=block_m, BLOCK_D=gather_d, num_warps=4)
-        sub = block_m // tile.sub_blocks
-        x_arg = TensorDescriptor.from_tensor(x_sorted, [sub, tile.block_k])
-        hidden_arg = TensorDescriptor.from_tensor(hidden, [sub, tile.block_n])
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
-        x_arg, _weights_arg(w13, tile, "gate_up"), hidden_arg, blocks.sorted_pairs, blocks.block_experts,
+        x, _weights_arg(w13, tile, "gate_up"), hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13.stride(0), w13.stride(1), hidden.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim, float(situ_beta if situ_beta is not None else 1.0),
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_BLOCKS=tile.sub_blocks,
-        DESC=tile.weight_desc, ROWS_DESC=tile.rows_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        DESC=tile.weight_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return hidden
 
 
@@ -351,42 +273,24 @@ def down(hidden: torch.Tensor, w2: torch.Tensor, blocks: ExpertBlocks, block_m: 
     num_experts, hidden_dim, inter_dim = w2.shape
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * block_m, hidden_dim, dtype=torch.float32, device=hidden.device)  # [P_pad, D]
-    hidden_arg, rows_out_arg = hidden, rows_out
-    if tile.rows_desc:
-        why = rows_desc_unavailable(hidden.device, {"hidden": (inter_dim, hidden.element_size()),
-                                                    "float32 output": (hidden_dim, 4)})
-        if why or hidden.stride(1) != 1 or hidden.data_ptr() % 16:
-            raise ValueError(f"moe_experts down: rows_desc tiles cannot run here: "
-                             f"{why or 'hidden must be row-major with a 16-byte aligned base'}")
-        sub = block_m // tile.sub_blocks
-        hidden_arg = TensorDescriptor.from_tensor(hidden, [sub, tile.block_k])
-        rows_out_arg = TensorDescriptor.from_tensor(rows_out, [sub, tile.block_n])
     _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
-        hidden_arg, _weights_arg(w2, tile, "down"), rows_out_arg, blocks.sorted_pairs, blocks.block_experts,
+        hidden, _weights_arg(w2, tile, "down"), rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2.stride(0), w2.stride(1), rows_out.stride(0),
         num_pairs, num_experts, hidden_dim, inter_dim,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_BLOCKS=tile.sub_blocks,
-        DESC=tile.weight_desc, ROWS_DESC=tile.rows_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        DESC=tile.weight_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return rows_out
 
 
 def runnable_config(config: MoeGemmConfig, w13: torch.Tensor, w2: torch.Tensor) -> MoeGemmConfig:
-    """`config` with weight_desc / rows_desc switched off for a GEMM whose operands a descriptor cannot address (a
-    strided expert slice, odd widths, a non-sm90 GPU): the table picks the form for the shapes it was tuned on, and
-    the pointer form serves the rest."""
+    """`config` with weight_desc switched off for a GEMM whose weights a descriptor cannot address (a strided
+    expert slice, odd widths, a non-sm90 GPU): the table picks the form for the shapes it was tuned on, and the
+    pointer form serves the rest."""
     gate_up_tile, down_tile = config.gate_up, config.down
-    _, hidden_dim, inter_dim = w2.shape
-    element = w13.element_size()
     if gate_up_tile.weight_desc and weight_desc_unavailable(w13.device, w13):
         gate_up_tile = gate_up_tile._replace(weight_desc=False)
     if down_tile.weight_desc and weight_desc_unavailable(w2.device, w2):
         down_tile = down_tile._replace(weight_desc=False)
-    if gate_up_tile.rows_desc and rows_desc_unavailable(w13.device, {"x": (hidden_dim, element),
-                                                                     "hidden": (inter_dim, element)}):
-        gate_up_tile = gate_up_tile._replace(rows_desc=False)
-    if down_tile.rows_desc and rows_desc_unavailable(w2.device, {"hidden": (inter_dim, element),
-                                                                 "float32 output": (hidden_dim, 4)}):
-        down_tile = down_tile._replace(rows_desc=False)
     return config._replace(gate_up=gate_up_tile, down=down_tile)
 
 

@@ -196,10 +196,6 @@ class GemmConfig(NamedTuple):
     sub_blocks: int = 1
     # weight tiles through a tensor descriptor (the TMA copy engine, NVIDIA sm90+) instead of pointer tiles
     weight_desc: bool = False
-    # row-operand and output tiles through descriptors too: gate/up reads a sorted copy of x (one gather kernel)
-    # and stores hidden by descriptor, down reads hidden and stores its float32 rows by descriptor; no pointer
-    # tiles are left in the K loop (their registers spilled at 128-row blocks on 8 warps)
-    rows_desc: bool = False
 
 
 class MoeGemmConfig(NamedTuple):
