@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. Owed after the 2026-11-30 (sixth) session, at the final commit:
-#   LIMIT=420 bash scripts/gpu_bench.sh --only kda_prefill,kda_decode --repeats 5   # carry .whl: the varlen KDA
-#                                                          #   prefill rows sat at 1.49x / 1.50x of fla (target 1.5x)
-#                                                          #   and 64 x 512 moved 15% between two runs
-#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every changed op and the
-#                                                          #   whole-model check (only kda_prefill was rerun after
-#                                                          #   its new defaults; 12+ files: run it as two calls)
+# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (seventh) session nothing is owed by a
+# change: every op's conformance and the whole-model check ran on the H200 after the last kernel-table change
+# (conformance/results/README.md). Worth a call: `bash scripts/gpu_bench.sh` (~5 min, carry .whl) at the final
+# commit, so that every kernel row comes from one run (today they span f7f3e83, 1f768cd and f67c61b).
+#   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every op and the whole-model
+#                                                          #   check (12+ files: run it as two calls)
 # Other subcommands:
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh moe ...   # bench.tune_moe (MoE expert GEMM tiles and forms;
 #                                                          #   e.g. --budget-s 300)
