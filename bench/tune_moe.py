@@ -102,9 +102,8 @@ def _tile(config) -> tuple:
 
 
 def _sub_block_reason(block_m: int, tile: tuple) -> str:
-    sub_blocks = tile[4] if len(tile) > 4 else 1
-    return f"sub-blocks of {block_m // sub_blocks} rows (the dot's smallest tile is 16)" if block_m // sub_blocks < 16 \
-        else ""
+    rows = block_m // tile[4]                                     # tile[4]: sub_blocks
+    return f"sub-blocks of {rows} rows (the dot's smallest tile is 16)" if rows < 16 else ""
 
 
 def fits(gemm: str, block_m: int, tile: tuple, shared_bytes: int, element_size: int) -> str:

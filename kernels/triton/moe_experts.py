@@ -46,6 +46,24 @@ def _weight_tile(w, expert, row_stride_or_rows, expert_stride, row0, cols, col_m
 
 
 @triton.jit
+def _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
+                      SUB_BLOCKS: tl.constexpr):
+    """Whether a two-half block's second half holds any pair: padding sits at the end of an expert's rows, so it
+    does iff its first row is a pair (always False with one sub-block)."""
+    used = False
+    if SUB_BLOCKS == 2:
+        used = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
+    return used
+
+
+@triton.jit
+def _store_rows(out_ptr, rows, row_stride, row_mask, cols, col_mask, values):
+    """values [SUB, BLOCK_N] to the sorted rows `rows` (routed rows only), cast to the output's dtype."""
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * row_stride + cols[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
 def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
                         col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
@@ -98,24 +116,18 @@ def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
     col_mask = cols < inter_dim
     x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
     x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
-    # padding sits at the end of an expert's rows: the second half is used iff its first row is a pair
-    two = False
-    if SUB_BLOCKS == 2:
-        two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
-    if two:
+    if _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS):
         acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
             x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
             col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC)
         hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-        tl.store(hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
-                 hidden_b.to(hidden_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
+        _store_rows(hidden_ptr, rows_b, hidden_row_stride, mask_b, cols, col_mask, hidden_b)
     else:
         acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
             x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
             col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC)
     hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    tl.store(hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
-             hidden_a.to(hidden_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
+    _store_rows(hidden_ptr, rows_a, hidden_row_stride, mask_a, cols, col_mask, hidden_a)
 
 
 @triton.jit
@@ -158,21 +170,16 @@ def _down_kernel(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block_experts_p
     col_mask = cols < hidden_dim
     h_rows_a = hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride
     h_rows_b = hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride
-    two = False
-    if SUB_BLOCKS == 2:
-        two = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
-    if two:
+    if _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS):
         acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
                                         w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
                                         BLOCK_N, BLOCK_K, True, DESC)
-        tl.store(rows_out_ptr + rows_b[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
-                 acc_b.to(rows_out_ptr.dtype.element_ty), mask=mask_b[:, None] & col_mask[None, :])
+        _store_rows(rows_out_ptr, rows_b, rows_out_row_stride, mask_b, cols, col_mask, acc_b)
     else:
         acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
                                         w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
                                         BLOCK_N, BLOCK_K, False, DESC)
-    tl.store(rows_out_ptr + rows_a[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :],
-             acc_a.to(rows_out_ptr.dtype.element_ty), mask=mask_a[:, None] & col_mask[None, :])
+    _store_rows(rows_out_ptr, rows_a, rows_out_row_stride, mask_a, cols, col_mask, acc_a)
 
 
 @triton.jit
