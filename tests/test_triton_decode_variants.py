@@ -170,10 +170,13 @@ def test_mla_decode_rejects_configs_it_cannot_run():
                                           page._replace(tiles="gather", split_policy="even"))
 
 
-@pytest.mark.parametrize("block_v,v_dim", [(1, 16), (4, 32), (8, 24), (64, 32)])   # 24: a partial value block
-def test_kda_decode_value_blocks_match_reference(block_v, v_dim):
-    generator = _generator(block_v, v_dim)
-    num_seqs, heads, k_dim, num_slots = 3, 2, 16, 7
+# (16, 24, 16): a partial value block; (8, 16, 24): a key width below its power-of-two tile. Both take the masked
+# form of the kernel, the others its unmasked EVEN form
+@pytest.mark.parametrize("block_v,v_dim,k_dim", [(1, 16, 16), (4, 32, 16), (8, 24, 16), (16, 24, 16), (8, 16, 24),
+                                                 (64, 32, 16)])
+def test_kda_decode_value_blocks_match_reference(block_v, v_dim, k_dim):
+    generator = _generator(block_v, v_dim, k_dim)
+    num_seqs, heads, num_slots = 3, 2, 7
     inputs = {"q": _randn(num_seqs, heads, k_dim, generator=generator),
                   "k": _randn(num_seqs, heads, k_dim, generator=generator),
                   "v": _randn(num_seqs, heads, v_dim, generator=generator),
