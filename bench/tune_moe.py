@@ -6,8 +6,9 @@
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
 one row layout) is swept on the outside; for each block_m the gate/up GEMM (GLU fused) and the down GEMM are swept
-on their own over GemmConfig: (block_n, block_k, num_warps, num_stages), the two-half row tiles (sub_blocks) and
-weight tiles through descriptors (weight_desc). The kernels have no program-order swizzle (GROUP_M):
+on their own over GemmConfig: (block_n, block_k, num_warps, num_stages), the two-half row tiles (sub_blocks),
+weight tiles through descriptors (weight_desc) and, for gate/up only, one dot over the gate and up columns together
+(fused_gate_up). The kernels have no program-order swizzle (GROUP_M):
 programs of one expert's row blocks are already adjacent in launch order, so they share its weight tile in L2.
 
 Every config first runs once on NaN-poisoned memory and is checked against a float32 torch reference of that GEMM
@@ -55,18 +56,26 @@ OUTPUT_TOL = 2e-2    # whole op: the bf16 hidden may round differently from the 
 RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernels, so they mostly just time
 
 BLOCK_MS = (16, 32, 64, 128)
-# (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc): GemmConfig's fields, most plausible first (a
-# budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch sweep at 1f768cd
-# had them ahead at block_m 128 (bench/README.md).
-TILES = ((64, 64, 4, 3, 2, True), (128, 64, 8, 4, 2, False), (128, 64, 8, 3, 2, True), (64, 64, 4, 3, 2, False),
-         (128, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, False), (256, 64, 8, 3, 2, True), (128, 32, 8, 4, 2, True),
-         (128, 64, 4, 3, 2, True), (128, 128, 8, 3, 2, False),
-         (256, 64, 8, 3, 1, False), (256, 64, 8, 3, 1, True), (128, 64, 8, 3, 1, True),
-         (128, 64, 8, 3, 1, False), (128, 64, 4, 3, 1, False), (128, 64, 4, 4, 1, False), (64, 64, 4, 4, 1, False),
-         (64, 128, 4, 3, 1, False), (128, 128, 8, 3, 1, False), (128, 32, 4, 5, 1, False))
-WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True)))
+# (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc, fused_gate_up): GemmConfig's fields, most
+# plausible first (a budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch
+# sweep at 1f768cd had them ahead at block_m 128 (bench/README.md). The fused gate/up tiles (gate/up only) right
+# after the table's tile, never timed yet: offline sm_90 compiles give one m64n128 wgmma per sub-block and K step at
+# block_n 64 where the two-dot form issues two m64n64 (m64n256 at block_n 128 when a warp group owns 64 whole rows).
+TILES = ((64, 64, 4, 3, 2, True, False), (64, 64, 4, 3, 2, True, True), (128, 64, 8, 3, 1, True, True),
+         (128, 64, 8, 3, 2, True, True), (128, 64, 4, 3, 1, True, True), (64, 64, 8, 3, 1, True, True),
+         (64, 64, 4, 3, 2, False, True), (128, 64, 8, 3, 1, False, True),
+         (128, 64, 8, 4, 2, False, False), (128, 64, 8, 3, 2, True, False), (64, 64, 4, 3, 2, False, False),
+         (128, 64, 8, 3, 2, False, False), (256, 64, 8, 3, 2, False, False), (256, 64, 8, 3, 2, True, False),
+         (128, 32, 8, 4, 2, True, False), (128, 64, 4, 3, 2, True, False), (128, 128, 8, 3, 2, False, False),
+         (256, 64, 8, 3, 1, False, False), (256, 64, 8, 3, 1, True, False), (128, 64, 8, 3, 1, True, False),
+         (128, 64, 8, 3, 1, False, False), (128, 64, 4, 3, 1, False, False), (128, 64, 4, 4, 1, False, False),
+         (64, 64, 4, 4, 1, False, False), (64, 128, 4, 3, 1, False, False), (128, 128, 8, 3, 1, False, False),
+         (128, 32, 4, 5, 1, False, False))
+WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True),
+                                     (False, True)))
 SMOKE_BLOCK_MS = (16, 32)
-SMOKE_TILES = ((16, 16, 1, 1, 1, False), (32, 16, 1, 1, 1, False), (16, 16, 1, 1, 2, True))
+SMOKE_TILES = ((16, 16, 1, 1, 1, False, False), (32, 16, 1, 1, 1, False, False), (16, 16, 1, 1, 2, True, False),
+               (32, 16, 1, 1, 1, True, True))
 SHARED_MEMORY_BYTES = 232448                                      # sm90 opt-in limit per block, when torch does not say
 MAX_ACCUMULATOR_REGS = 128                                        # float32 accumulators per thread before spilling
 
@@ -111,7 +120,9 @@ def fits(gemm: str, block_m: int, tile: tuple, shared_bytes: int, element_size: 
     block_n, block_k, warps, stages = tile[:4]
     if halves := _sub_block_reason(block_m, tile):
         return halves
-    weight_tiles = 2 if gemm == "gate_up" else 1                  # gate/up loads both halves of W13 per K step
+    # gate/up loads both halves of W13 per K step and keeps two accumulators of block_n columns per sub-block; fused
+    # (tile[6]) it is one weight tile and one accumulator of 2 * block_n columns: the same bytes and registers
+    weight_tiles = 2 if gemm == "gate_up" else 1
     smem = stages * (block_m * block_k + weight_tiles * block_k * block_n) * element_size
     if smem > shared_bytes:
         return f"needs {smem} bytes of shared memory, the device has {shared_bytes}"
@@ -228,9 +239,10 @@ def tune_shape(ctx: BenchContext, name: str, dims: dict, tokens: int, block_ms, 
         shared = int(getattr(props, "shared_memory_per_block_optin", 0) or shared)
     # the current default first (always measured, unless it cannot compile), then the grid
     plan = [(default.block_m, gemm, _tile(getattr(default, gemm))) for gemm in ("gate_up", "down")]
-    # tile-major: a budget cut drops the least plausible tiles (the end of the list) at every block_m
+    # tile-major: a budget cut drops the least plausible tiles (the end of the list) at every block_m; a fused
+    # gate/up tile (tile[6]) has no down form
     plan += [(block_m, gemm, tile) for tile in tiles for block_m in block_ms for gemm in ("gate_up", "down")
-             if (block_m, gemm, tuple(tile)) not in plan]
+             if (block_m, gemm, tuple(tile)) not in plan and not (gemm == "down" and tile[6])]
     blocks = {}
     for block_m, gemm, tile in plan:
         if time.monotonic() > deadline:
@@ -310,7 +322,8 @@ def paste_line(result: ShapeResult) -> str:
 
     def gemm(values):
         extra = "".join(f", {name}={value}" for name, value, default in
-                        zip(("sub_blocks", "weight_desc"), values[4:], (1, False)) if value != default)
+                        zip(("sub_blocks", "weight_desc", "fused_gate_up"), values[4:], (1, False, False))
+                        if value != default)
         return "GemmConfig(block_n={}, block_k={}, num_warps={}, num_stages={}".format(*values[:4]) + extra + ")"
     return (f'"{result.row_class}": MoeGemmConfig(block_m={best["block_m"]}, gate_up={gemm(best["gate_up"])}, '
             f'down={gemm(best["down"])}),')
@@ -345,8 +358,8 @@ def markdown(results: list[ShapeResult], env: dict) -> str:
              "```", summary(results), "```", ""]
     for r in results:
         lines += [f"## {r.name} (T={r.tokens}, {r.rows} rows)", "",
-                  "| gemm | block_m | block_n | block_k | warps | stages | sub_blocks | weight_desc | status | ms | "
-                  "rel err | reason |", "|---" * 12 + "|"]
+                  "| gemm | block_m | block_n | block_k | warps | stages | sub_blocks | weight_desc | fused_gate_up | "
+                  "status | ms | rel err | reason |", "|---" * 13 + "|"]
         for t in sorted(r.trials, key=lambda t: (t.gemm, t.block_m, t.ms if t.ms is not None else float("inf"))):
             err = "-" if t.error is None else f"{t.error:.1e}"
             lines.append(f"| {t.gemm} | {t.block_m} | {' | '.join(map(str, t.tile))} | {t.status} | {_fmt(t.ms)} | "
@@ -370,8 +383,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny grid on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop timing new configs after this long")
-    parser.add_argument("--wide", action="store_true", help=f"{len(WIDE_TILES)} tiles per GEMM instead of "
-                        f"{len(TILES)} (needs a larger --budget-s)")
+    parser.add_argument("--wide", action="store_true", help=f"{len(WIDE_TILES)} tiles instead of {len(TILES)} "
+                        f"(the fused ones for gate/up only; needs a larger --budget-s)")
     parser.add_argument("--only", default="", help=f"comma-separated shapes (default all): {', '.join(SHAPES)}")
     parser.add_argument("--block-ms", default="", help=f"comma-separated row blocks to sweep (default "
                         f"{','.join(map(str, BLOCK_MS))}; the current default's is always measured)")

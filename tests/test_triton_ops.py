@@ -244,6 +244,16 @@ def test_moe_experts(num_tokens, activation_name, beta, linear_beta, expert_offs
     check(out, expected, atol=2e-5, rtol=1e-5, what="moe_experts")
 
 
+def _uneven_blocks_routing(num_tokens, experts, block_m):
+    """expert 0: 37 rows (a full block, then 5 rows: second half empty); expert 1: 20 rows (second half used);
+    experts 2 and 3: 8 and 9 rows."""
+    expert_ids = torch.tensor([[0, 1 if t < 20 else 2 + t % 2] for t in range(num_tokens)], device=DEVICE)
+    counts = torch.bincount(expert_ids.reshape(-1).cpu(), minlength=experts)
+    last_rows = (counts - 1) % block_m + 1                           # rows in each expert's last block
+    assert (last_rows > block_m // 2).any() and (last_rows <= block_m // 2).any(), counts
+    return expert_ids
+
+
 @pytest.mark.parametrize("sub_blocks,weight_desc", [(2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])
 def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, weight_desc, hidden, inter, block_n):
@@ -259,17 +269,61 @@ def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, 
     x = randn(num_tokens, hidden)
     w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
     w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    # expert 0: 37 rows (a full block, then 5 rows: second half empty); expert 1: 20 rows (second half used);
-    # experts 2 and 3: 8 and 9 rows
-    expert_ids = torch.tensor([[0, 1 if t < 20 else 2 + t % 2] for t in range(num_tokens)], device=DEVICE)
-    counts = torch.bincount(expert_ids.reshape(-1).cpu(), minlength=experts)
-    last_rows = (counts - 1) % block_m + 1                           # rows in each expert's last block
-    assert (last_rows > block_m // 2).any() and (last_rows <= block_m // 2).any(), counts
+    expert_ids = _uneven_blocks_routing(num_tokens, experts, block_m)
     weights = torch.rand(num_tokens, top_k, device=DEVICE)
     with nan_poisoned_allocations():
         out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
     expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
     check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc}")
+
+
+@pytest.mark.parametrize("activation_name,beta,linear_beta", [("silu", None, None), ("situ", 4.0, 25.0)])
+@pytest.mark.parametrize("sub_blocks,weight_desc", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])
+def test_moe_gate_up_fused(sub_blocks, weight_desc, hidden, inter, block_n, activation_name, beta, linear_beta):
+    """The fused gate/up form (one weight operand of gate then up columns per K step, the accumulator split after
+    the loop) by pointers and by the [E, 2, I, D] descriptor, with one and two sub-blocks, against float64
+    act(x W13^T) of every routed row. I = 24 and 40 are not multiples of the 16 and 32 column tiles: the last tile
+    runs past I, and its up columns must still come from rows I + col0 of the same expert. Blocks whose second half
+    is used and blocks where it is empty; D = 40 ends in a partial K tile."""
+    top_k, experts, num_tokens, block_m = 2, 4, 37, 32
+    tile = tuning_ops.GemmConfig(block_n=block_n, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks,
+                                 weight_desc=weight_desc, fused_gate_up=True)
+    x = randn(num_tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    expert_ids = _uneven_blocks_routing(num_tokens, experts, block_m)
+    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, block_m)
+    with nan_poisoned_allocations():
+        hidden_rows = moe_experts.gate_up(x, w13, blocks, top_k, activation_name, beta, linear_beta, block_m, tile)
+    flat = expert_ids.reshape(-1).cpu()                                               # [P]
+    products = torch.einsum("pd,pnd->pn", f64(x)[torch.arange(flat.numel()) // top_k], f64(w13)[flat])   # [P, 2I]
+    expected = ref_activation.glu_activation(products, activation_name, beta, linear_beta)
+    # float32 dot over K <= 48 of unit-scale values, then the float32 GLU: a few ulp relative
+    check(hidden_rows[blocks.row_of_pair], expected, atol=1e-5, rtol=1e-5,
+          what=f"gate_up fused sub_blocks={sub_blocks} weight_desc={weight_desc} {activation_name}")
+
+
+@pytest.mark.parametrize("weight_desc", [False, True])
+def test_moe_experts_with_fused_gate_up(monkeypatch, weight_desc):
+    """The whole op with a fused gate/up tile in the table, against float64; the down GEMM refuses a fused tile."""
+    hidden, inter, top_k, experts, num_tokens, block_m = 48, 24, 2, 4, 37, 32
+    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, sub_blocks=2,
+                                 weight_desc=weight_desc)
+    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
+        block_m=block_m, gate_up=tile._replace(fused_gate_up=True), down=tile))
+    x = randn(num_tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
+    expert_ids = _uneven_blocks_routing(num_tokens, experts, block_m)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    with nan_poisoned_allocations():
+        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
+    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
+    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts fused gate/up weight_desc={weight_desc}")
+    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, block_m)
+    with pytest.raises(ValueError, match="fused_gate_up"):
+        moe_experts.down(torch.zeros(blocks.sorted_pairs.numel(), inter, device=DEVICE), w2, blocks, block_m,
+                         tile._replace(fused_gate_up=True))
 
 
 def test_moe_experts_weight_descriptors_fall_back_where_rows_cannot_be_described(monkeypatch):

@@ -27,13 +27,15 @@ def test_smoke_sweep_checks_times_and_writes(tmp_path, capsys):
     assert set(shapes) == {"prefill", "decode"}
     for shape in shapes.values():
         trials = shape["trials"]
-        # 2 block_m x 3 tiles x 2 GEMMs, every one checked (error recorded) and timed, except the two-half tile at
-        # block_m 16 (8-row halves), which is skipped with its reason
+        # 2 block_m x 3 tiles x 2 GEMMs and the fused gate/up tile at both block_m (gate/up only), every one checked
+        # (error recorded) and timed, except the two-half tile at block_m 16 (8-row halves), skipped with its reason
         timed = [t for t in trials if t["status"] == "ok"]
         skipped = [t for t in trials if t["status"] == "skipped"]
-        assert len(timed) == 10 and all(t["ms"] > 0 for t in timed)
+        assert len(timed) == 12 and all(t["ms"] > 0 for t in timed)
         assert len(skipped) == 2 and all(t["block_m"] == 16 and "8 rows" in t["reason"] for t in skipped)
         assert sum(t["tile"][4] == 2 and t["tile"][5] for t in timed) == 2        # two-half, descriptor tiles
+        fused = [t for t in trials if t["tile"][6]]
+        assert len(fused) == 2 and all(t["gemm"] == "gate_up" and t["status"] == "ok" for t in fused)
         assert all(t["error"] is not None and t["error"] <= tune_moe.FP32_STATE_TOL for t in timed)
         assert shape["best"]["block_m"] in tune_moe.SMOKE_BLOCK_MS
         assert shape["best"]["ms"] <= shape["default_ms"]
@@ -90,6 +92,12 @@ def test_fits_skips_configs_that_cannot_run():
     assert "shared memory" in tune_moe.fits("gate_up", 128, (256, 128, 8, 4, 1, False), 232448, 2)
     assert "spill" in tune_moe.fits("gate_up", 128, (256, 32, 4, 3, 2, True), 232448, 2)
     assert "16" in tune_moe.fits("down", 16, (64, 64, 4, 3, 2, False), 232448, 2)
+    # the fused gate/up tile has one [block_k, 2 * block_n] weight tile and one [sub, 2 * block_n] accumulator per
+    # sub-block: the bytes and registers of the two-dot form's two, so the same verdicts
+    for tile in ((128, 64, 8, 3, 1, True), (256, 128, 8, 4, 1, False), (256, 32, 4, 3, 2, True)):
+        assert tune_moe.fits("gate_up", 128, (*tile, True), 232448, 2) == tune_moe.fits("gate_up", 128, tile,
+                                                                                        232448, 2)
+    assert tune_moe.fits("gate_up", 128, (128, 64, 8, 3, 1, True, True), 232448, 2) == ""
 
 
 def test_nvidia_table_has_one_config_per_row_class():

@@ -4,7 +4,10 @@
    local expert and laid out in blocks of BLOCK_M rows that each belong to one expert (an expert's last block is
    padded with a sentinel). Pairs routed to experts of other ranks (expert parallelism) are dropped here.
 2. Gate/up kernel: per (row block, column block of I) both halves of W13 in one K loop, SiLU/SiTU fused in float32,
-   the activation stored in x's dtype in sorted order.
+   the activation stored in x's dtype in sorted order. The halves are two dots per K step, or one dot over a weight
+   operand of the gate and the up columns together (`GemmConfig.fused_gate_up`: the x tile is read once per K step
+   and the MMA is twice as wide), its accumulator split into gate and up after the loop; a descriptor then
+   addresses W13 as [E, 2, I, D].
 3. Down kernel: per (row block, column block of D) the W2 GEMM, written in float32 to the same sorted row (no atomics,
    so results do not depend on scheduling).
    Both GEMM kernels can take a row block as two halves that share each weight tile (`GemmConfig.sub_blocks`),
@@ -92,12 +95,80 @@ def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row
 
 
 @triton.jit
+def _gate_up_weight_tile(w13, expert, w13_row_stride, w13_expert_stride, col0, inter_dim, k_start, ks, k_mask,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DESC: tl.constexpr):
+    """[BLOCK_K, 2 * BLOCK_N] of W13^T for the fused form: gate rows col0.. then up rows I + col0.. of one expert.
+    A descriptor addresses W13 as [E, 2, I, D], both halves in one [1, 2, BLOCK_N, BLOCK_K] block: columns past I
+    are zero-filled at dim 2's bound. Pointer rows are masked to columns < I in each half: past I the up half would
+    run into the next expert, or off the end of W13 for the last one."""
+    if DESC:
+        tile = w13.load([expert.to(tl.int32), 0, col0, k_start]).reshape(2 * BLOCK_N, BLOCK_K).T
+    else:
+        j = tl.arange(0, 2 * BLOCK_N)
+        cols = col0 + j % BLOCK_N                                                # column of I in either half
+        rows = tl.where(j < BLOCK_N, cols, inter_dim + cols)                     # [2 * BLOCK_N] rows of W13
+        tile = _weight_tile(w13, expert, w13_row_stride, w13_expert_stride, col0, rows, cols < inter_dim, k_start,
+                            ks, k_mask, False)
+    return tile
+
+
+@triton.jit
+def _split_gate_up(acc, SUB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[SUB, 2 * BLOCK_N] (gate columns, then up columns) -> gate, up [SUB, BLOCK_N]: tl.split takes the last dim
+    of size 2, so the halves are moved there first. On sm_90 that stays in registers where a warp group holds whole
+    accumulator rows (a thread holds columns c and c + BLOCK_N); with the warps split along the columns (block_n 128
+    on 8 warps in two sub-blocks) it goes through shared memory, once per tile after the K loop."""
+    return tl.split(tl.permute(tl.reshape(acc, (SUB, 2, BLOCK_N)), (0, 2, 1)))
+
+
+@triton.jit
+def _gate_up_accumulate_fused(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
+                              col0, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
+    """The K loop of gate/up as one dot per sub-block and K step over gate and up columns together
+    (`GemmConfig.fused_gate_up`): the x tile feeds one MMA of 2 * BLOCK_N columns instead of two of BLOCK_N.
+    Returns the same four [SUB, BLOCK_N] products as `_gate_up_accumulate`."""
+    acc_a = tl.zeros((SUB, 2 * BLOCK_N), tl.float32)
+    acc_b = tl.zeros((SUB, 2 * BLOCK_N), tl.float32)
+    for k_start in range(0, hidden_dim, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < hidden_dim
+        w_tile = _gate_up_weight_tile(w13, expert, w13_row_stride, w13_expert_stride, col0, inter_dim, k_start, ks,
+                                      k_mask, BLOCK_N, BLOCK_K, DESC)             # [BLOCK_K, 2 * BLOCK_N]
+        x_a = tl.load(x_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
+        acc_a = tl.dot(x_a, w_tile, acc_a, input_precision="ieee")
+        if TWO:
+            x_b = tl.load(x_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
+            acc_b = tl.dot(x_b, w_tile, acc_b, input_precision="ieee")
+    acc_gate_a, acc_up_a = _split_gate_up(acc_a, SUB, BLOCK_N)
+    acc_gate_b, acc_up_b = _split_gate_up(acc_b, SUB, BLOCK_N)
+    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+
+
+@triton.jit
+def _gate_up_products(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0,
+                      cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr, FUSED: tl.constexpr):
+    """gate and up [SUB, BLOCK_N] of sub-block a (and b when TWO), by two dots per K step or one fused dot
+    (FUSED, `GemmConfig.fused_gate_up`)."""
+    if FUSED:
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate_fused(
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, hidden_dim,
+            inter_dim, SUB, BLOCK_N, BLOCK_K, TWO, DESC)
+    else:
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
+            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, TWO, DESC)
+    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                     x_row_stride, w13_expert_stride, w13_row_stride, hidden_row_stride,
                     num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                     TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
+                    SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr, FUSED: tl.constexpr):
     """One (row block, column block of I). With SUB_BLOCKS = 2 the row block is two halves that share each
     weight tile, the second skipped when it holds only padding (see `GemmConfig.sub_blocks`)."""
     SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
@@ -117,15 +188,15 @@ def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
     x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
     x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
     if _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS):
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_products(
             x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
-            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC)
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC, FUSED)
         hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
         _store_rows(hidden_ptr, rows_b, hidden_row_stride, mask_b, cols, col_mask, hidden_b)
     else:
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_products(
             x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
-            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC)
+            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC, FUSED)
     hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
     _store_rows(hidden_ptr, rows_a, hidden_row_stride, mask_a, cols, col_mask, hidden_a)
 
@@ -241,15 +312,23 @@ def _check_tile(tile: GemmConfig, block_m: int, what: str) -> None:
     if tile.sub_blocks not in (1, 2) or block_m % tile.sub_blocks or block_m // tile.sub_blocks < 16:
         raise ValueError(f"moe_experts {what}: sub_blocks must be 1 or 2 and leave sub-blocks of >= 16 rows "
                          f"(the dot's smallest tile); got sub_blocks={tile.sub_blocks} with block_m={block_m}")
+    if tile.fused_gate_up and what != "gate_up":
+        raise ValueError(f"moe_experts {what}: fused_gate_up joins the gate and up weight operands of the gate/up "
+                         f"GEMM; the {what} GEMM has one weight operand, so its tile must leave it False")
 
 
 def _weights_arg(weights: torch.Tensor, tile: GemmConfig, what: str):
-    """The kernel's weight argument: the [E, N, K] tensor, or a descriptor of it as [E * N, K] rows."""
+    """The kernel's weight argument: the [E, N, K] tensor, or a descriptor of it as [E * N, K] rows, or for the
+    fused gate/up W13 as [E, 2, I, K] (one block holds a column tile of both halves)."""
     if not tile.weight_desc:
         return weights
     why = weight_desc_unavailable(weights.device, weights)
     if why:
         raise ValueError(f"moe_experts {what}: weight_desc tiles cannot run here: {why}")
+    if tile.fused_gate_up:
+        num_experts, two_inter, width = weights.shape
+        return TensorDescriptor.from_tensor(weights.view(num_experts, 2, two_inter // 2, width),
+                                            [1, 2, tile.block_n, tile.block_k])
     return TensorDescriptor.from_tensor(weights.view(-1, weights.shape[2]), [tile.block_n, tile.block_k])
 
 
@@ -269,7 +348,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, blocks: ExpertBlocks, top_k: int
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SUB_BLOCKS=tile.sub_blocks,
-        DESC=tile.weight_desc, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        DESC=tile.weight_desc, FUSED=tile.fused_gate_up, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     return hidden
 
 

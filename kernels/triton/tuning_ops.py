@@ -196,6 +196,11 @@ class GemmConfig(NamedTuple):
     sub_blocks: int = 1
     # weight tiles through a tensor descriptor (the TMA copy engine, NVIDIA sm90+) instead of pointer tiles
     weight_desc: bool = False
+    # gate/up only: one dot per sub-block and K step over a [block_k, 2 * block_n] weight operand (the gate columns,
+    # then the matching up columns) instead of two dots of block_n: the x tile is read from shared memory once per
+    # K step instead of twice, and each MMA is twice as wide (m64n128k16 wgmma at block_n 64). The down GEMM has one
+    # weight operand and refuses it.
+    fused_gate_up: bool = False
 
 
 class MoeGemmConfig(NamedTuple):
@@ -219,9 +224,11 @@ _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
                                    down=GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)),
     # bench/results/tune_moe-nvidia-h200.md (f644e33): two-half 128-row blocks with descriptor weight tiles,
     # 3.42 ms for the pair at 1024 tokens x top-16 against 3.88 for the 64-row pointer tiles before (1.14x);
-    # torch._grouped_mm's pair 2.91 ms in the same run
-    "rows 2049+": MoeGemmConfig(block_m=128, gate_up=GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=3,
-                                                                sub_blocks=2, weight_desc=True),
+    # torch._grouped_mm's pair 2.91 ms in the same run. tune_moe-fused-nvidia-h200.md (76b3590 + the fused form):
+    # gate/up as one dot over 128 gate + 128 up columns on 8 warps, 2.06 ms against 2.16 for two dots of 64 on 4
+    # (pair 3.27 ms, grouped_mm 2.93); the down tile kept (its sub-block choice flips between runs by ~2%)
+    "rows 2049+": MoeGemmConfig(block_m=128, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3,
+                                                                sub_blocks=2, weight_desc=True, fused_gate_up=True),
                                 down=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3, weight_desc=True)),
 }
 
