@@ -96,7 +96,8 @@ def test_mla_decode_tiles_match_reference(page_size, seq_lens, tiles, num_splits
 
 
 @pytest.mark.parametrize("merge_splits,merge_block_v", [(1, 0), (2, 16), (4, 0), (16, 32)])
-@pytest.mark.parametrize("v_dim,rope_dim", [(32, 16), (48, 8)])   # 48: value columns past v_dim masked
+# 48: the second value half partly past v_dim (masked); 16: all of it past v_dim
+@pytest.mark.parametrize("v_dim,rope_dim", [(32, 16), (48, 8), (16, 16)])
 def test_mla_decode_merge_steps_match_reference(merge_splits, merge_block_v, v_dim, rope_dim):
     q, kv_cache, page_table, seq_lens_t, scale, v_dim, expected = _mla_case([70, 1, 33], 16, v_dim, rope_dim)
     config = MlaDecodeConfig(block_h=16, block_n=16, num_warps=1, num_stages=1, programs_per_unit=2, tiles="page",

@@ -3,7 +3,9 @@
 Stage 1: program (request b, head block, split s) reads the cache entries of its split of request b once for BLOCK_H
 heads (all heads share the latent KV), keeps an online softmax, and writes a float32 partial output and its
 natural-log LSE. Each latent entry is split at v_dim: its first v_dim columns serve both as the key's head part and as
-the value (one load, two tl.dot), the remaining D_latent - v_dim (the rope part) only enter the scores.
+the value (one load, two tl.dot), the remaining D_latent - v_dim (the rope part) only enter the scores. The value
+columns come in two halves with their own score products and accumulators (two independent MMA chains where one
+576-deep chain was), and q is read inside the tile step so that it lives in shared memory rather than in registers.
 Stage 2: programs (request, head, value block) merge the active splits of the request by their LSE, MERGE_S
 splits per step so that a long context's hundreds of splits are not read one dependent load at a time.
 
@@ -39,20 +41,30 @@ LN2 = math.log(2.0)
 
 
 @triton.jit
-def _attend_tile(q_value_part, q_rope_part, rows, row_mask, cols_v, v_mask, cols_rope, rope_mask,
-                 running_max, denominator, acc, scale_log2, HAS_ROPE: tl.constexpr, MASK_ROWS: tl.constexpr):
-    """One online-softmax step over the entries whose row pointers are `rows` [BLOCK_N]."""
+def _attend_tile(q_rows, head_mask, rows, row_mask, cols_lo, lo_mask, cols_hi, hi_mask, cols_rope, rope_mask,
+                 running_max, denominator, acc_lo, acc_hi, scale_log2, HAS_ROPE: tl.constexpr,
+                 MASK_ROWS: tl.constexpr):
+    """One online-softmax step over the entries whose row pointers are `rows` [BLOCK_N]; the value columns come in
+    two halves (lo, hi), each with its own score product and accumulator."""
     if MASK_ROWS:
-        value_mask = row_mask[:, None] & v_mask[None, :]
+        lo_tile_mask = row_mask[:, None] & lo_mask[None, :]
+        hi_tile_mask = row_mask[:, None] & hi_mask[None, :]
         rope_tile_mask = row_mask[:, None] & rope_mask[None, :]
     else:
-        value_mask = v_mask[None, :]
+        lo_tile_mask = lo_mask[None, :]
+        hi_tile_mask = hi_mask[None, :]
         rope_tile_mask = rope_mask[None, :]
-    kv_value_part = tl.load(rows[:, None] + cols_v[None, :], mask=value_mask, other=0.0)     # [BLOCK_N, BLOCK_V]
-    scores = tl.dot(q_value_part, tl.trans(kv_value_part), input_precision="ieee")           # [BLOCK_H, BLOCK_N]
+    kv_lo = tl.load(rows[:, None] + cols_lo[None, :], mask=lo_tile_mask, other=0.0)          # [BLOCK_N, HALF_V]
+    kv_hi = tl.load(rows[:, None] + cols_hi[None, :], mask=hi_tile_mask, other=0.0)
+    q_lo = tl.load(q_rows + cols_lo[None, :], mask=head_mask[:, None] & lo_mask[None, :], other=0.0)
+    q_hi = tl.load(q_rows + cols_hi[None, :], mask=head_mask[:, None] & hi_mask[None, :], other=0.0)
+    scores_lo = tl.dot(q_lo, tl.trans(kv_lo), input_precision="ieee")                        # [BLOCK_H, BLOCK_N]
+    scores_hi = tl.dot(q_hi, tl.trans(kv_hi), input_precision="ieee")
     if HAS_ROPE:
-        kv_rope_part = tl.load(rows[:, None] + cols_rope[None, :], mask=rope_tile_mask, other=0.0)  # [BLOCK_N, R]
-        scores += tl.dot(q_rope_part, tl.trans(kv_rope_part), input_precision="ieee")
+        kv_rope = tl.load(rows[:, None] + cols_rope[None, :], mask=rope_tile_mask, other=0.0)   # [BLOCK_N, R]
+        q_rope = tl.load(q_rows + cols_rope[None, :], mask=head_mask[:, None] & rope_mask[None, :], other=0.0)
+        scores_hi = tl.dot(q_rope, tl.trans(kv_rope), scores_hi, input_precision="ieee")
+    scores = scores_lo + scores_hi
     if MASK_ROWS:
         scores = tl.where(row_mask[None, :], scores * scale_log2, float("-inf"))
     else:
@@ -61,8 +73,10 @@ def _attend_tile(q_value_part, q_rope_part, rows, row_mask, cols_v, v_mask, cols
     rescale = tl.exp2(running_max - new_max)
     probs = tl.exp2(scores - new_max[:, None])                                               # [BLOCK_H, BLOCK_N]
     denominator = denominator * rescale + tl.sum(probs, axis=1)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(kv_value_part.dtype), kv_value_part, input_precision="ieee")
-    return new_max, denominator, acc
+    weights = probs.to(kv_lo.dtype)
+    acc_lo = acc_lo * rescale[:, None] + tl.dot(weights, kv_lo, input_precision="ieee")
+    acc_hi = acc_hi * rescale[:, None] + tl.dot(weights, kv_hi, input_precision="ieee")
+    return new_max, denominator, acc_lo, acc_hi
 
 
 @triton.jit
@@ -85,17 +99,21 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)                        # [BLOCK_H]
     head_mask = heads < num_heads
-    cols_v = tl.arange(0, BLOCK_V)
-    v_mask = cols_v < v_dim
+    HALF_V: tl.constexpr = BLOCK_V // 2
+    cols_lo = tl.arange(0, HALF_V)
+    lo_mask = cols_lo < v_dim
+    cols_hi = HALF_V + tl.arange(0, HALF_V)
+    hi_mask = cols_hi < v_dim
     cols_rope = v_dim + tl.arange(0, BLOCK_R)
     rope_mask = cols_rope < latent_dim
-    q_rows = q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride
-    q_value_part = tl.load(q_rows + cols_v[None, :], mask=head_mask[:, None] & v_mask[None, :], other=0.0)
-    q_rope_part = tl.load(q_rows + cols_rope[None, :], mask=head_mask[:, None] & rope_mask[None, :], other=0.0)
+    # q is read inside the tile step, not held across the loop: Triton then keeps it in shared memory and reads it
+    # per MMA step, where a register copy took 144 registers a thread at 8 warps (255 with spills, against 200)
+    q_rows = q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride               # [BLOCK_H, 1]
 
     running_max = tl.full((BLOCK_H,), -3.0e38, tl.float32)
     denominator = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    acc_lo = tl.zeros((BLOCK_H, HALF_V), tl.float32)
+    acc_hi = tl.zeros((BLOCK_H, HALF_V), tl.float32)
     row_pages = page_table_ptr + batch * page_table_stride
     tile_rows = tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
     if PAGE_TILES:
@@ -107,28 +125,29 @@ def _mla_decode_split_kernel(q_ptr, kv_ptr, page_table_ptr, seq_lens_ptr, mid_ou
             # the next tile's page id is read before this tile is used, so its latency overlaps this tile's loads
             next_page = tl.load(row_pages + next_start // PAGE_SIZE, mask=next_start < split_end, other=0).to(tl.int64)
             rows = kv_ptr + page * kv_page_stride + (n_start % PAGE_SIZE + tile_rows) * kv_slot_stride
-            running_max, denominator, acc = _attend_tile(
-                q_value_part, q_rope_part, rows, tile_rows < BLOCK_N, cols_v, v_mask, cols_rope, rope_mask,
-                running_max, denominator, acc, scale_log2, HAS_ROPE, False)
+            running_max, denominator, acc_lo, acc_hi = _attend_tile(
+                q_rows, head_mask, rows, tile_rows < BLOCK_N, cols_lo, lo_mask, cols_hi, hi_mask, cols_rope,
+                rope_mask, running_max, denominator, acc_lo, acc_hi, scale_log2, HAS_ROPE, False)
             page = next_page
         if whole_end < split_end:                                               # `page` is whole_end's page here
             rows = kv_ptr + page * kv_page_stride + (whole_end % PAGE_SIZE + tile_rows) * kv_slot_stride
-            running_max, denominator, acc = _attend_tile(
-                q_value_part, q_rope_part, rows, whole_end + tile_rows < split_end, cols_v, v_mask, cols_rope,
-                rope_mask, running_max, denominator, acc, scale_log2, HAS_ROPE, True)
+            running_max, denominator, acc_lo, acc_hi = _attend_tile(
+                q_rows, head_mask, rows, whole_end + tile_rows < split_end, cols_lo, lo_mask, cols_hi, hi_mask,
+                cols_rope, rope_mask, running_max, denominator, acc_lo, acc_hi, scale_log2, HAS_ROPE, True)
     else:
         for n_start in range(split_start, split_end, BLOCK_N):
             positions = n_start + tile_rows                                     # [BLOCK_N]
             position_mask = positions < split_end
             pages = tl.load(row_pages + positions // PAGE_SIZE, mask=position_mask, other=0).to(tl.int64)
             rows = kv_ptr + pages * kv_page_stride + (positions % PAGE_SIZE).to(tl.int64) * kv_slot_stride
-            running_max, denominator, acc = _attend_tile(
-                q_value_part, q_rope_part, rows, position_mask, cols_v, v_mask, cols_rope, rope_mask,
-                running_max, denominator, acc, scale_log2, HAS_ROPE, True)
+            running_max, denominator, acc_lo, acc_hi = _attend_tile(
+                q_rows, head_mask, rows, position_mask, cols_lo, lo_mask, cols_hi, hi_mask, cols_rope, rope_mask,
+                running_max, denominator, acc_lo, acc_hi, scale_log2, HAS_ROPE, True)
 
-    out_ptrs = (mid_out_ptr + batch * mid_out_batch_stride + heads[:, None] * mid_out_head_stride
-                + split * mid_out_split_stride + cols_v[None, :])
-    tl.store(out_ptrs, acc / denominator[:, None], mask=head_mask[:, None] & v_mask[None, :])
+    out_row = (mid_out_ptr + batch * mid_out_batch_stride + heads[:, None] * mid_out_head_stride
+               + split * mid_out_split_stride)
+    tl.store(out_row + cols_lo[None, :], acc_lo / denominator[:, None], mask=head_mask[:, None] & lo_mask[None, :])
+    tl.store(out_row + cols_hi[None, :], acc_hi / denominator[:, None], mask=head_mask[:, None] & hi_mask[None, :])
     lse = (running_max + tl.log2(denominator)) * ln2                            # natural log
     tl.store(mid_lse_ptr + batch * mid_lse_batch_stride + heads * mid_lse_head_stride + split, lse, mask=head_mask)
 
@@ -224,7 +243,7 @@ def mla_decode_with_splits(q: torch.Tensor, kv_cache: torch.Tensor, page_table: 
     capacity = page_table.shape[1] * page_size
     split_len = triton.cdiv(triton.cdiv(capacity, num_splits), config.block_n) * config.block_n
     num_splits = triton.cdiv(capacity, split_len)
-    block_v = max(16, triton.next_power_of_2(v_dim))
+    block_v = max(32, triton.next_power_of_2(v_dim))     # two halves of >= 16 columns (the dot's smallest K)
     rope_dim = latent_dim - v_dim
     mid_out = torch.empty(batch, num_heads, num_splits, v_dim, dtype=torch.float32, device=q.device)  # [B, H, S, V]
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)        # [B, H, S]

@@ -103,19 +103,17 @@ KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs
 # tuning sweep existed: 16 x 32 tiles on 4 warps with about 2 programs per SM (1.3 TB/s at B=1, 128K; 1.6 TB/s at
 # B=64, 8K on an H200). Paste the winners of `python -m bench.tune_decode` here, one line per class.
 _MLA_DECODE_NVIDIA: dict[str, MlaDecodeConfig] = {
-    # bench/results/tune-decode-b1-nvidia-h200.md (2026-11-30, graphs of >= 8 calls): 68.8% of copy at B=1 x 128K
-    # with B=64's tile at one program per SM (128 splits of 1024 entries) and one merge step per 32 columns; 64.7%
-    # for the 32-entry tiles two per SM (256 splits); the 2026-11-29 entry gave 53.7% (tune-decode-waves): most of
-    # that was the LSE merge of 256 splits 16 at a time
-    "batch 1-4": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
-                                 tiles="page", merge_splits=128, merge_block_v=32),
-    # tune-decode-waves: 79.3% at B=8 x 32K (75.1% for the old entry in the same run): "waves" makes 128 programs,
-    # one per SM
-    "batch 5-32": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
+    # Since q is read per tile (kernels/triton/mla_decode.py: no longer 144 registers a thread) 32-entry tiles on 4
+    # warps run two programs per SM without spilling, and win at every batch in a scratch A/B on the H200 (three
+    # alternating graph timings each, against the 64-entry / 8-warp tiles of the same kernel and of the one before):
+    # B=1 x 128K 73.2% of copy (69.4% before), B=8 x 32K 85.1% (78.8%), B=64 x 8K 90.9% (85.0%). Before that:
+    # tune-decode-b1-nvidia-h200.md (68.8% at B=1 with one program per SM and one merge step per 32 columns) and
+    # tune-decode-waves (B=8 79.3%, B=64 85.4% with the "waves" split count)
+    "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
+                                 tiles="page", merge_splits=256, merge_block_v=32),
+    "batch 5-32": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
                                   tiles="page", merge_splits=32, merge_block_v=64, split_policy="waves"),
-    # tune-decode-waves: 85.4% at B=64 x 8K (70.8% for the old entry): "cover" made 3 splits per request, 192
-    # programs on 132 SMs (1.45 waves); "waves" makes 2, 128 programs in one wave
-    "batch 33+": MlaDecodeConfig(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_unit=1,
+    "batch 33+": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
                                  tiles="page", merge_splits=1, merge_block_v=0, split_policy="waves"),
 }
 
