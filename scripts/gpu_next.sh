@@ -4,7 +4,8 @@
 # (conformance/results/README.md). Worth a call: `bash scripts/gpu_bench.sh` (~5 min, carry .whl) at the final
 # commit, so that every kernel row comes from one run (rows today: f7f3e83, 1f768cd, f67c61b, 5a697a8).
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every op and the whole-model
-#                                                          #   check (12+ files: run it as two calls)
+#                                                          #   check (12+ files: run it as two calls); `check
+#                                                          #   kda_decode,mla_decode` for some ops (+ the model check)
 # Other subcommands:
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh moe ...   # bench.tune_moe (MoE expert GEMM tiles and forms;
 #                                                          #   e.g. --budget-s 300)
@@ -43,7 +44,8 @@ case "${1:-}" in
     echo "model_bench exit $?"; grep -E "^\[" "$OUT/model_bench.log" | tail -n 12; rm -f "$OUT/model_bench.log"
     ;;
   check)
-    for op in kda_prefill kda_decode mla_decode moe_experts short_conv_prefill mla_prefill; do
+    ops=${2:-kda_prefill,kda_decode,mla_decode,moe_experts,short_conv_prefill,mla_prefill}
+    for op in ${ops//,/ }; do
         timeout "${LIMIT:-150}" python3 -m conformance --backend cuda --op "$op" --dtype bf16,fp32 \
             --report "$OUT/conformance-cuda-h200-$op" > "$OUT/conf-$op.log" 2>&1
         echo "conformance $op exit $?"; grep -E "^$op " "$OUT/conf-$op.log"; rm -f "$OUT/conf-$op.log"
