@@ -171,8 +171,7 @@ def test_mla_decode_rejects_configs_it_cannot_run():
                                           page._replace(tiles="gather", split_policy="even"))
 
 
-# (16, 24, 16): a partial value block; (8, 16, 24): a key width below its power-of-two tile. Both take the masked
-# form of the kernel, the others its unmasked EVEN form
+# (16, 24, 16): a partial value block; (8, 16, 24): a key width below its power-of-two tile (masked lanes)
 @pytest.mark.parametrize("block_v,v_dim,k_dim", [(1, 16, 16), (4, 32, 16), (8, 24, 16), (16, 24, 16), (8, 16, 24),
                                                  (64, 32, 16)])
 def test_kda_decode_value_blocks_match_reference(block_v, v_dim, k_dim):

@@ -20,31 +20,29 @@ from kernels.triton.tuning_ops import KdaDecodeConfig, kda_decode_config
 def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
                        state_ptr, state_stride, slot_ptr, o_ptr, scale, lower_bound,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr, EVEN: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, FORM: tl.constexpr):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
-    # EVEN (BK == K and BV divides V): no masks at all, which the K3 shape takes
-    k_ok = (cols_k < K) | EVEN
-    v_ok = (cols_v < V) | EVEN
-    mask_s = v_ok[:, None] & k_ok[None, :]
-    # the state tile first: its address waits on the slot id, and everything else can be fetched while it loads
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    s_ptrs = state_ptr + slot * state_stride + i_h * V * K + cols_v[:, None] * K + cols_k[None, :]
-    s = tl.load(s_ptrs, mask=mask_s, other=0.0)                                       # [BV, BK]
+    k_ok = cols_k < K
+    v_ok = cols_v < V
     head_row = i_b * H + i_h
     q = tl.load(q_ptr + head_row * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)   # [BK]
     k = tl.load(k_ptr + head_row * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)
     f = tl.load(f_ptr + head_row * K + cols_k, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + head_row * V + cols_v, mask=v_ok, other=0.0).to(tl.float32)   # [BV]
     beta = tl.sigmoid(tl.load(beta_ptr + head_row).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + i_h * K + cols_k, mask=k_ok, other=0.0)
     q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
     k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    dt_bias = tl.load(dt_bias_ptr + i_h * K + cols_k, mask=k_ok, other=0.0)
     g = gate_log_decay(f, tl.load(a_log_ptr + i_h), dt_bias, lower_bound, FORM)     # [BK]
 
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    s_ptrs = state_ptr + slot * state_stride + i_h * V * K + cols_v[:, None] * K + cols_k[None, :]
+    mask_s = v_ok[:, None] & k_ok[None, :]
+    s = tl.load(s_ptrs, mask=mask_s, other=0.0)                                       # [BV, BK]
     s = s * tl.exp(tl.where(k_ok, g, 0.0))[None, :]
     delta = beta * (v - tl.sum(s * k[None, :], 1))                                   # [BV]
     s = s + delta[:, None] * k[None, :]
@@ -82,6 +80,5 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     _kda_decode_kernel[grid](q, k, v, f, beta_logits, a_log, dt_bias, state, state.stride(0),
                              slot_ids.to(device=q.device, dtype=torch.int64), output, float(scale),
                              float(gate.lower_bound), H=num_heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
-                             FORM=form, EVEN=block_k == k_dim and v_dim % block_v == 0,
-                             num_warps=config.num_warps)
+                             FORM=form, num_warps=config.num_warps)
     return output
