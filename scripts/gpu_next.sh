@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (seventh) session nothing is owed by a
-# change: every op's conformance and the whole-model check ran on the H200 after the last kernel-table change
-# (conformance/results/README.md). Worth a call: `bash scripts/gpu_bench.sh` (~5 min, carry .whl) at the final
-# commit, so that every kernel row comes from one run (rows today: f7f3e83, 1f768cd, f67c61b, 5a697a8).
+# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (eighth) session nothing is owed by a
+# change: the ops whose kernels or tables changed (mla_decode, moe_experts) and the whole model were re-checked on the
+# H200, and every kernel row but KDA prefill (kernels unchanged since 1f768cd; its fla autotune alone takes ~7 min)
+# was measured at one commit (conformance/results/README.md, bench/README.md).
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every op and the whole-model
 #                                                          #   check (12+ files: run it as two calls); `check
 #                                                          #   kda_decode,mla_decode` for some ops (+ the model check)
