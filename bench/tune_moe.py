@@ -58,9 +58,10 @@ RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernel
 BLOCK_MS = (16, 32, 64, 128)
 # (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc, fused_gate_up): GemmConfig's fields, most
 # plausible first (a budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch
-# sweep at 1f768cd had them ahead at block_m 128 (bench/README.md). The fused gate/up tiles (gate/up only) right
-# after the table's tile, never timed yet: offline sm_90 compiles give one m64n128 wgmma per sub-block and K step at
-# block_n 64 where the two-dot form issues two m64n64 (m64n256 at block_n 128 when a warp group owns 64 whole rows).
+# sweep at 1f768cd had them ahead at block_m 128 (bench/README.md). The fused gate/up tiles (gate/up only) next:
+# offline sm_90 compiles give one m64n128 wgmma per sub-block and K step at block_n 64 where the two-dot form issues
+# two m64n64 (m64n256 at block_n 128 when a warp group owns 64 whole rows); on the H200 128 + 128 columns on 8 warps
+# in two halves won (tune_moe-fused-nvidia-h200.md) and is the table's tile since.
 TILES = ((64, 64, 4, 3, 2, True, False), (64, 64, 4, 3, 2, True, True), (128, 64, 8, 3, 1, True, True),
          (128, 64, 8, 3, 2, True, True), (128, 64, 4, 3, 1, True, True), (64, 64, 8, 3, 1, True, True),
          (64, 64, 4, 3, 2, False, True), (128, 64, 8, 3, 1, False, True),
