@@ -254,18 +254,21 @@ def _uneven_blocks_routing(num_tokens, experts, block_m):
     return expert_ids
 
 
+@pytest.mark.parametrize("fused_gate_up", [False, True])
 @pytest.mark.parametrize("sub_blocks,weight_desc", [(2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])
-def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, weight_desc, hidden, inter, block_n):
+def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, weight_desc, hidden, inter, block_n,
+                                                       fused_gate_up):
     """Row blocks as two halves sharing each weight tile (the second skipped when all padding) and weight tiles
-    through descriptors, against float64. The routing gives blocks whose second half is used and blocks where it
-    is empty. I = 24 with 16-wide columns: the second gate column block runs into the up rows (masked); D = 40: the
-    last K tile and the last down column block run past the width."""
+    through descriptors, with gate/up as two dots or one fused dot, the whole op against float64. The routing gives
+    blocks whose second half is used and blocks where it is empty. I = 24 with 16-wide columns: the second gate
+    column block runs into the up rows (masked); D = 40: the last K tile and the last down column block run past
+    the width."""
     top_k, experts, num_tokens, block_m = 2, 4, 37, 32
     tile = tuning_ops.GemmConfig(block_n=block_n, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks,
                                  weight_desc=weight_desc)
-    monkeypatch.setattr(moe_experts, "moe_gemm_config",
-                        lambda *args: tuning_ops.MoeGemmConfig(block_m=block_m, gate_up=tile, down=tile))
+    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
+        block_m=block_m, gate_up=tile._replace(fused_gate_up=fused_gate_up), down=tile))
     x = randn(num_tokens, hidden)
     w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
     w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
@@ -274,7 +277,8 @@ def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, 
     with nan_poisoned_allocations():
         out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
     expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
-    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc}")
+    check(out, expected, atol=2e-5, rtol=1e-5,
+          what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc} fused_gate_up={fused_gate_up}")
 
 
 @pytest.mark.parametrize("activation_name,beta,linear_beta", [("silu", None, None), ("situ", 4.0, 25.0)])
@@ -303,27 +307,14 @@ def test_moe_gate_up_fused(sub_blocks, weight_desc, hidden, inter, block_n, acti
           what=f"gate_up fused sub_blocks={sub_blocks} weight_desc={weight_desc} {activation_name}")
 
 
-@pytest.mark.parametrize("weight_desc", [False, True])
-def test_moe_experts_with_fused_gate_up(monkeypatch, weight_desc):
-    """The whole op with a fused gate/up tile in the table, against float64; the down GEMM refuses a fused tile."""
-    hidden, inter, top_k, experts, num_tokens, block_m = 48, 24, 2, 4, 37, 32
-    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, sub_blocks=2,
-                                 weight_desc=weight_desc)
-    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
-        block_m=block_m, gate_up=tile._replace(fused_gate_up=True), down=tile))
-    x = randn(num_tokens, hidden)
-    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+def test_moe_down_refuses_a_fused_tile():
+    """fused_gate_up joins gate/up's two weight operands; the down GEMM has one and says so."""
+    inter, hidden, experts, block_m = 24, 48, 4, 32
     w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    expert_ids = _uneven_blocks_routing(num_tokens, experts, block_m)
-    weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    with nan_poisoned_allocations():
-        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
-    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
-    check(out, expected, atol=2e-5, rtol=1e-5, what=f"moe_experts fused gate/up weight_desc={weight_desc}")
-    blocks = moe_experts.group_pairs_by_expert(expert_ids, 0, experts, block_m)
+    blocks = moe_experts.group_pairs_by_expert(_uneven_blocks_routing(37, experts, block_m), 0, experts, block_m)
+    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, fused_gate_up=True)
     with pytest.raises(ValueError, match="fused_gate_up"):
-        moe_experts.down(torch.zeros(blocks.sorted_pairs.numel(), inter, device=DEVICE), w2, blocks, block_m,
-                         tile._replace(fused_gate_up=True))
+        moe_experts.down(torch.zeros(blocks.sorted_pairs.numel(), inter, device=DEVICE), w2, blocks, block_m, tile)
 
 
 def test_moe_experts_weight_descriptors_fall_back_where_rows_cannot_be_described(monkeypatch):
