@@ -3,7 +3,6 @@ kernels, compiled offline.
 
     python -m bench.kernel_resources                  # sm_90, the table configs and a few neighbours
     python -m bench.kernel_resources --arch 100       # another NVIDIA target
-    python -m bench.kernel_resources --chunks 128,64 --kernels kda_state_prefetch,kda_merge   # merged chunks
 
 No GPU needed: Triton compiles for the target with the ptxas it ships, and the cuobjdump it ships reads the
 resource usage out of the cubin.
@@ -25,9 +24,7 @@ from pathlib import Path
 KDA_SHAPE = dict(H=12, K=128, V=128, BT=64, BK=128)      # K3 at TP8: 12 heads, K = V = 128, chunks of 64
 # kda_state_prefetch = the state pass loading each chunk's inputs one step ahead (KernelConfig.prefetch)
 # kda_segment_map + kda_segment_scan (+ kda_state per segment) = the segmented state pass (KernelConfig.segment_chunks)
-# kda_merge = the pair merge into chunks of `chunk` tokens from chunks of half as many (KernelConfig.merge_levels)
-KERNELS = ("kda_intra", "kda_intra_two_block", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan",
-           "kda_merge")
+KERNELS = ("kda_intra", "kda_intra_two_block", "kda_state", "kda_state_prefetch", "kda_segment_map", "kda_segment_scan")
 STATE_KERNELS = ("kda_state", "kda_state_prefetch")
 # one SASS instruction line of `cuobjdump --dump-sass`: "/*0120*/  @!P0 FMUL R4, R2, R3 ;"
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S.*;", re.MULTILINE)
@@ -78,13 +75,6 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
                     "seq_seg_ptr": "i32", "seg_state_ptr": "fp32"}
         scalars = {"state_stride": "i64"}
         consts = dict(H=12, K=128, V=128, BK=128, INTERPRETED=False, PRECISION="tf32")
-    elif kernel == "kda_merge":
-        from kernels.triton.kda_chunk_merge import kda_chunk_merge_kernel as fn  # noqa: PLC0415
-        pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr", "merged_aqk_ptr")}
-        pointers.update(decay_ptr="fp32", merged_decay_ptr="fp32", merged_start_ptr="i32", merged_len_ptr="i32",
-                        first_chunk_ptr="i32", chunk_len_ptr="i32")
-        scalars = {}
-        consts = dict(H=12, K=128, V=128, BK=128, BV=128, PRECISION="tf32")
     elif kernel in STATE_KERNELS:
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
@@ -124,7 +114,7 @@ def measure(kernel: str, num_warps: int, num_stages: int, arch: int = 90, block_
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
     fn, signature, consts = _signature(kernel)
-    consts["BT"] = chunk // 2 if kernel == "kda_merge" else chunk      # the merge's BT is the finer chunk
+    consts["BT"] = chunk
     if kernel in (*STATE_KERNELS, "kda_segment_scan"):
         consts["BV"] = block_v or 16
     if kernel == "kda_segment_map":             # block_v stands for its column block of [T | b]
@@ -157,8 +147,7 @@ DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_i
                    ("kda_intra_two_block", 8, 1, None),
                    ("kda_state", 4, 2, 16), ("kda_state", 8, 2, 16), ("kda_state", 4, 2, 64),
                    ("kda_state_prefetch", 4, 2, 16), ("kda_state_prefetch", 4, 1, 64), ("kda_segment_map", 4, 2, 16),
-                   ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16), ("kda_merge", 4, 1, None),
-                   ("kda_merge", 8, 1, None))
+                   ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16))
 
 
 def main(argv: list[str] | None = None) -> int:

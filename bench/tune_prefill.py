@@ -1,23 +1,19 @@
 """Where KDA chunked prefill spends its time, pass by pass, and a sweep of each pass's launch configs.
 
     python -m bench.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
-    python -m bench.tune_prefill --merge-levels 0,1,2 --passes state   # the state pass on 32-, 64-, 128-token chunks
     TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
 
 kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
 shapes but the 128K one (32K has the same form), this times the whole op, each pass alone with the table configs,
-and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for and each number of
-merge levels (`--merge-levels`: the intra pass then merges chunk pairs that many times, `kda_chunk_merge`, and is
-timed with its merges; the state pass walks chunks of chunk << levels tokens; the whole op runs the table's level).
-Then each pass is swept on its own over (num_warps, num_stages), for `state` also the value block, whether each
-chunk's loads are issued a step ahead (prefetch) and whether the chunks run as parallel segments (segment_chunks).
-Every trial first runs on NaN-filled workspace and outputs, and the op's output and final states are checked against
-the float64 reference (bench/cases_kda); only a config that compiled and passed is timed (do_bench median, the
-sweep's short budget). Configs past the time budget, and state configs known to break on the chunks at hand
-(`_state_breaks`), are listed as skipped. Results: tune-prefill-<device>.json and .md in --out
-(else $OUT, else bench/results), with the best config of each pass per shape, chunk size and merge level (the table
-is `_NVIDIA` in kernels/triton/tuning.py)."""
+and fla's chunk_kda where fla is installed, all on the same inputs, for each chunk size asked for. Then each pass is
+swept on its own over (num_warps, num_stages), for `state` also the value block, whether each chunk's loads are
+issued a step ahead (prefetch) and whether the chunks run as parallel segments (segment_chunks). Every trial first
+runs on NaN-filled workspace and outputs, and the op's output and final states are checked against the float64
+reference (bench/cases_kda); only a config that compiled and passed is timed (do_bench median, the sweep's short
+budget). Configs past the time budget are listed as skipped. Results: tune-prefill-<device>.json and .md in --out
+(else $OUT, else bench/results), with the best config of each pass per shape and chunk size (the table is
+`_NVIDIA` in kernels/triton/tuning.py)."""
 from __future__ import annotations
 
 import argparse
@@ -75,8 +71,7 @@ class Trial:
     shape: str
     kernel: str                  # "intra", "state", "whole op", "whole op, host metadata", "fla"
     config: dict
-    chunk: int = 0               # tokens per chunk of the intra pass (0 for fla, which chooses its own)
-    merge: int = 0               # merge levels after the intra pass: the state pass walks chunks of chunk << merge
+    chunk: int = 0               # tokens per chunk of the trial (0 for fla, which chooses its own)
     status: str = "ok"           # "ok", "wrong: ...", "error: ...", "skipped: ..."
     ms: float | None = None
     error: float | None = None   # worst relative error of the checks
@@ -91,21 +86,8 @@ def _configs(smoke: bool) -> tuple[list[KernelConfig], list[KernelConfig]]:
                                  segment_chunks=segment) for b, w, s, prefetch, segment in state_grid])
 
 
-def _state_breaks(config: KernelConfig, state_chunk: int) -> str:
-    """Why this state config is not tried on chunks of state_chunk tokens ('' when it is).
-
-    The prefetching state pass with block_v 16 or 32, chosen at 32-token chunks, broke on longer ones on the H200
-    under Triton 3.6.0 (2026-11-30, bf16, merged chunks, each config of the grid alone at B=1 x 32K, then this sweep):
-    NaN or far-off outputs at 64 tokens, and illegal memory accesses at 128 on 4 warps and at 64 in the segmented
-    form at 8 x 4K. An illegal access takes the CUDA context and the rest of the sweep down, so none of them runs
-    there. kda_state_wide (block_v 128, 8 warps, prefetch) was right at 32, 64 and 128."""
-    if state_chunk > 32 and config.prefetch and config.block_v <= 32:
-        return f"prefetch with block_v <= 32 at {state_chunk}-token chunks: wrong outputs or illegal memory access"
-    return ""
-
-
 def _config_dict(kind: str, config: KernelConfig) -> dict:
-    keys = ("num_warps", "num_stages", "solve_precision", "two_block", "merge_levels") if kind == "intra" else (
+    keys = ("num_warps", "num_stages", "solve_precision", "two_block") if kind == "intra" else (
         "block_v", "num_warps", "num_stages", "prefetch", "segment_chunks")
     return {key: getattr(config, key) for key in keys}
 
@@ -113,27 +95,23 @@ def _config_dict(kind: str, config: KernelConfig) -> dict:
 def _poison(launch: PrefillLaunch, workspace: bool) -> None:
     tensors = [launch.output, launch.state_tensor]
     if workspace:
-        tensors += [launch.w, launch.qg, launch.kd, launch.u0]
-        tensors += [tensor for level in launch.levels for tensor in (level.aqk, level.decay)]
+        tensors += [launch.w, launch.qg, launch.kd, launch.u0, launch.aqk, launch.decay]
     for tensor in tensors:
         tensor.fill_(float("nan"))
 
 
 def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int, budget_s: float,
-                passes: tuple[str, ...], chunk_sizes: tuple[int, ...], merge_levels: tuple[int, ...],
-                log: Callable[[Trial], None]) -> list[Trial]:
-    """Set up (inputs, float64 reference), then per chunk size time the whole op and, per merge level, each pass
-    (sweeping the passes named), then fla; budget_s counts from the end of the set-up, so slow input generation
-    cannot starve the sweep, and is shared evenly by the chunk sizes and merge levels."""
+                passes: tuple[str, ...], chunk_sizes: tuple[int, ...], log: Callable[[Trial], None]) -> list[Trial]:
+    """Set up (inputs, float64 reference), then per chunk size time the whole op and each pass (sweeping the
+    passes named), then fla; budget_s counts from the end of the set-up, so slow input generation cannot starve
+    the sweep, and is shared evenly by the chunk sizes."""
     x = prefill_inputs(ctx, lengths, heads, dim)
     ref = prefill_reference(ctx, x)
     trials: list[Trial] = []
     started = time.perf_counter()
-    slots = len(chunk_sizes) * len(merge_levels)
     for index, chunk in enumerate(chunk_sizes):
-        deadlines = [started + budget_s * (index * len(merge_levels) + level + 1) / slots
-                     for level in range(len(merge_levels))]
-        trials += _sweep_chunk(ctx, x, ref, label, chunk, merge_levels, passes, deadlines, log)
+        deadline = started + budget_s * (index + 1) / len(chunk_sizes)
+        trials += _sweep_chunk(ctx, x, ref, label, chunk, passes, deadline, log)
     if not fla_unavailable(ctx):
         # last and outside the budget: fla autotunes on its first call (about 100 s per shape on an H200)
         anchor = fla_prefill(x)
@@ -143,12 +121,9 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
 
 
 def _attempt(ctx, x, ref, trial: Trial, deadline: float, run: Callable[[], torch.Tensor],
-             timed: Callable[[], object], log: Callable[[Trial], None], breaks: str = "") -> Trial:
-    """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed. A config known
-    to break (`breaks` says how) is skipped."""
-    if breaks:
-        trial.status = f"skipped: {breaks}"
-    elif time.perf_counter() > deadline:
+             timed: Callable[[], object], log: Callable[[Trial], None]) -> Trial:
+    """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed."""
+    if time.perf_counter() > deadline:
         trial.status = "skipped: past the time budget"
     else:
         try:
@@ -166,17 +141,14 @@ def _attempt(ctx, x, ref, trial: Trial, deadline: float, run: Callable[[], torch
     return trial
 
 
-def _sweep_chunk(ctx, x, ref, label: str, chunk: int, merge_levels: tuple[int, ...], passes: tuple[str, ...],
-                 deadlines: list[float], log: Callable[[Trial], None]) -> list[Trial]:
-    """The whole op once (the table's merge level), then both passes at each merge level, by its deadline."""
+def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], deadline: float,
+                 log: Callable[[Trial], None]) -> list[Trial]:
     launch, _ = prepare_kda_prefill(*x.args(), chunk_size=chunk)
     trials: list[Trial] = []
-    table_intra = kernel_config("kda_intra")
 
-    def attempt(kind: str, config: KernelConfig | None, merge: int, deadline: float, run, timed,
-                breaks: str = "") -> None:
-        trial = Trial(label, kind, _config_dict(kind, config) if config else {}, chunk=chunk, merge=merge)
-        trials.append(_attempt(ctx, x, ref, trial, deadline, run, timed, log, breaks))
+    def attempt(kind: str, config: KernelConfig | None, run, timed) -> None:
+        trial = Trial(label, kind, _config_dict(kind, config) if config else {}, chunk=chunk)
+        trials.append(_attempt(ctx, x, ref, trial, deadline, run, timed, log))
 
     # the whole op as callers see it: cu_seqlens and slot_ids on the device (one sync to read them), and on the
     # host (no sync before planning: the engine knows both)
@@ -189,7 +161,7 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, merge_levels: tuple[int, .
             poison_allocator(ctx.device, x.v.numel() * x.v.element_size())
             return whole().output
 
-        attempt(kind, None, table_intra.merge_levels, deadlines[0], poisoned_whole, whole)
+        attempt(kind, None, poisoned_whole, whole)
 
     def poisoned(workspace: bool, *steps: Callable[[], object]) -> torch.Tensor:
         _poison(launch, workspace)
@@ -198,34 +170,21 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, merge_levels: tuple[int, .
         return launch.output
 
     intra_grid, state_grid = _configs(ctx.smoke)
-    for merge, deadline in zip(merge_levels, deadlines):
-        table = dataclasses.replace(table_intra, merge_levels=merge)
-        # plans the merged chunks (so that _poison reaches their buffers) and sets the cut that state_config() sees
-        launch.intra(table)
-        configs = [table] + ([dataclasses.replace(c, merge_levels=merge) for c in intra_grid]
-                             if "intra" in passes else [])
-        # the state config that checks the intra trials: the table's, unless it is known to break on these chunks
-        check = launch.state_config()
-        if _state_breaks(check, chunk << merge):
-            check = kernel_config("kda_state_wide")
-        for config in configs:
-            attempt("intra", config, merge, deadline,
-                    lambda c=config, s=check: poisoned(True, lambda: launch.intra(c), lambda: launch.state(s)),
-                    lambda c=config: launch.intra(c))
-        launch.intra(table)                            # the table config's workspace for the state sweep
-        for config in [launch.state_config()] + (state_grid if "state" in passes else []):
-            attempt("state", config, merge, deadline, lambda c=config: poisoned(False, lambda: launch.state(c)),
-                    lambda c=config: launch.state(c), _state_breaks(config, chunk << merge))
+    for config in [kernel_config("kda_intra")] + (intra_grid if "intra" in passes else []):
+        attempt("intra", config, lambda c=config: poisoned(True, lambda: launch.intra(c), launch.state),
+                lambda c=config: launch.intra(c))
+    launch.intra()                                     # the table config's workspace for the state sweep
+    for config in [launch.state_config()] + (state_grid if "state" in passes else []):
+        attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
+                lambda c=config: launch.state(c))
     return trials
 
 
 def summary(trials: list[Trial]) -> list[dict]:
-    """One row per (shape, chunk size, merge level) of the passes; the whole op's times on the row of its (the
-    table's) merge level; fla's time (one per shape) repeated on each."""
+    """One row per (shape, chunk size); fla's time (one per shape) repeated on each."""
     rows = []
-    for shape, chunk, merge in dict.fromkeys((t.shape, t.chunk, t.merge) for t in trials
-                                             if t.kernel in ("intra", "state")):
-        mine = [t for t in trials if (t.shape, t.chunk, t.merge) == (shape, chunk, merge)]
+    for shape, chunk in dict.fromkeys((t.shape, t.chunk) for t in trials if t.kernel != "fla"):
+        mine = [t for t in trials if t.shape == shape and t.chunk == chunk]
         fla = next((t for t in trials if t.shape == shape and t.kernel == "fla"), None)
 
         def first(kind: str) -> Trial | None:
@@ -235,7 +194,7 @@ def summary(trials: list[Trial]) -> list[dict]:
             timed = [t for t in mine if t.kernel == kind and t.ms is not None]
             return min(timed, key=lambda t: t.ms) if timed else None
 
-        row = {"shape": shape, "chunk": chunk, "merge": merge, "whole_ms": getattr(first("whole op"), "ms", None),
+        row = {"shape": shape, "chunk": chunk, "whole_ms": getattr(first("whole op"), "ms", None),
                "whole_host_ms": getattr(first("whole op, host metadata"), "ms", None),
                "fla_ms": getattr(fla, "ms", None),
                "intra_default_ms": getattr(first("intra"), "ms", None),
@@ -259,26 +218,21 @@ def markdown(rows: list[dict], trials: list[Trial], env: dict) -> str:
              f"torch {env.get('torch')}, triton {env.get('triton')}, fla {env.get('fla')}, commit "
              f"{env.get('commit')}, {env.get('date')}. {shape_text}; every timed config passed the float64 "
              "check first.", "",
-             "| shape | chunk | merge levels (state chunk) | whole op ms | same, host metadata | fla ms | "
-             "intra ms (table) | state ms (table) | best intra | best state | best sum ms | fla / best sum |",
-             "|---" * 12 + "|"]
+             "| shape | chunk | whole op ms | same, host metadata | fla ms | intra ms (table) | state ms (table) | "
+             "best intra | best state | best sum ms | fla / best sum |", "|---" * 11 + "|"]
     for r in rows:
         ib, sb = r["intra_best"], r["state_best"]
         ratio = (f"{r['fla_ms'] / r['best_sum_ms']:.2f}x" if r.get("best_sum_ms") and r["fla_ms"] else "-")
-        lines.append(f"| {r['shape']} | {r['chunk']} | {r['merge']} ({r['chunk'] << r['merge']}) | "
-                     f"{_ms(r['whole_ms'])} | {_ms(r.get('whole_host_ms'))} | "
+        lines.append(f"| {r['shape']} | {r['chunk']} | {_ms(r['whole_ms'])} | {_ms(r.get('whole_host_ms'))} | "
                      f"{_ms(r['fla_ms'])} | "
                      f"{_ms(r['intra_default_ms'])} | "
                      f"{_ms(r['state_default_ms'])} | {_ms(ib and ib['ms'])} {ib and ib['config']} | "
                      f"{_ms(sb and sb['ms'])} {sb and sb['config']} | {_ms(r.get('best_sum_ms'))} | {ratio} |")
-    lines += ["", "Every trial (the first intra and state rows of a shape and merge level are the table configs):",
-              "", "| shape | chunk | merge | kernel | config | ms | worst rel err | status |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Every trial (the first intra and state rows of a shape are the table configs):", "",
+              "| shape | chunk | kernel | config | ms | worst rel err | status |", "|---|---|---|---|---|---|---|"]
     for t in trials:
         error = "-" if t.error is None else f"{t.error:.1e}"
-        merge = t.merge if t.kernel != "fla" else "-"
-        lines.append(f"| {t.shape} | {t.chunk or '-'} | {merge} | {t.kernel} | {t.config} | {_ms(t.ms)} | {error} | "
-                     f"{t.status} |")
+        lines.append(f"| {t.shape} | {t.chunk or '-'} | {t.kernel} | {t.config} | {_ms(t.ms)} | {error} | {t.status} |")
     return "\n".join(lines) + "\n"
 
 
@@ -292,16 +246,10 @@ def run(argv: list[str] | None = None) -> list[dict]:
                         "the table's, then 64, or 32 when the table's is 64)")
     parser.add_argument("--passes", default=",".join(PASSES), help="which passes to sweep (both are always timed "
                         "with the table configs)")
-    parser.add_argument("--merge-levels", default=None, help="merge levels to compare, e.g. 0,1,2 (default: the "
-                        "table's kda_intra merge_levels)")
     args = parser.parse_args(argv)
     passes = tuple(p for p in args.passes.split(",") if p)
     if any(p not in PASSES for p in passes):
         raise SystemExit(f"--passes {args.passes!r}: choose from {', '.join(PASSES)}")
-    merge_levels = (tuple(int(m) for m in args.merge_levels.split(",")) if args.merge_levels
-                    else (kernel_config("kda_intra").merge_levels,))
-    if any(m < 0 for m in merge_levels):
-        raise SystemExit(f"--merge-levels {args.merge_levels!r}: each level must be >= 0")
     table_chunk = kernel_config("kda_intra").block_t
     chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
         (table_chunk, 16) if args.smoke else (table_chunk, 64 if table_chunk != 64 else 32))
@@ -318,8 +266,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     trials: list[Trial] = []
 
     def log(t: Trial) -> None:
-        print(f"{time.perf_counter() - started:5.0f}s {t.shape:>14} c{t.chunk:<3} m{t.merge} {t.kernel:>8} "
-              f"{str(t.config):60} "
+        print(f"{time.perf_counter() - started:5.0f}s {t.shape:>14} c{t.chunk:<3} {t.kernel:>8} {str(t.config):60} "
               f"{_ms(t.ms):>8} ms  {t.status[:100]}", flush=True)
 
     def write() -> list[dict]:
@@ -333,7 +280,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     with torch.inference_mode():
         for label, lengths in shapes:
             trials += sweep_shape(ctx, label, lengths, heads, dim, args.budget_s / len(shapes), passes,
-                                  chunk_sizes, merge_levels, log)
+                                  chunk_sizes, log)
             write()
     rows = write()
     print(f"\nwrote {out_dir / stem}.json and .md ({time.perf_counter() - started:.0f} s)")

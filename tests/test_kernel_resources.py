@@ -34,20 +34,6 @@ def test_reports_registers_and_stack_of_the_state_pass():
     assert usage["kda_state_prefetch chunk=64 num_warps=4 num_stages=1 block_v=64"] > 0, usage
 
 
-def test_reports_the_merge_and_the_state_pass_on_merged_chunks():
-    """The pair merge (KernelConfig.merge_levels) on the table's 4 warps spills nothing into 64- or 128-token chunks;
-    the table's state pass (block_v 16, 4 warps, prefetch) does spill on such chunks (Triton 3.6.0: 64 B of stack
-    at 64 tokens, 1736 B at 128), which is what its sweep over merged chunks has to weigh."""
-    result = _run("--kernels", "kda_merge,kda_state_prefetch", "--chunks", "128,64")
-    assert result.returncode == 0, result.stderr[-2000:]
-    stack = {" ".join(line.split()[:-4]): int(line.split()[-3]) for line in result.stdout.splitlines()
-             if line.startswith(("kda_merge", "kda_state_prefetch"))}
-    assert stack["kda_merge chunk=64 num_warps=4 num_stages=1"] == 0, stack
-    assert stack["kda_merge chunk=128 num_warps=4 num_stages=1"] == 0, stack
-    table_64 = stack["kda_state_prefetch chunk=64 num_warps=4 num_stages=2 block_v=16"]
-    assert stack["kda_state_prefetch chunk=128 num_warps=4 num_stages=2 block_v=16"] > table_64 > 0, stack
-
-
 def test_refuses_to_run_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     result = subprocess.run([sys.executable, "-m", "bench.kernel_resources"], cwd=ROOT, env=env,

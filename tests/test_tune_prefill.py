@@ -30,11 +30,10 @@ def _run(tmp_path, *extra: str) -> dict:
 
 def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
     result = _run(tmp_path)
-    # one row per shape and chunk size (the table's chunk size and 16 in smoke runs) at the table's merge level
-    table = kernel_config("kda_intra")
-    assert [(r["shape"], r["chunk"], r["merge"]) for r in result["summary"]] == [
-        (label, chunk, table.merge_levels) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES
-        for chunk in (table.block_t, 16)]
+    # one row per shape and chunk size: the table's chunk size and 16 in smoke runs
+    table_chunk = kernel_config("kda_intra").block_t
+    assert [(r["shape"], r["chunk"]) for r in result["summary"]] == [
+        (label, chunk) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES for chunk in (table_chunk, 16)]
     for row in result["summary"]:
         assert row["whole_ms"] > 0 and row["whole_host_ms"] > 0
         assert row["intra_default_ms"] > 0 and row["state_default_ms"] > 0
@@ -48,34 +47,6 @@ def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
     assert tune_prefill.main(["--smoke", "--out", str(tmp_path)]) == 0
 
 
-def test_merge_levels_option_times_both_passes_at_each_level(tmp_path, monkeypatch):
-    """--merge-levels: a row per level, its intra trial merging that many times and its state trials (table and
-    grid) walking the merged chunks, each checked first, except a config known to break on those chunks, which is
-    skipped; the whole op only on the table level's row."""
-    monkeypatch.setattr(tune_prefill, "_state_breaks", lambda config, state_chunk: (
-        "illegal memory access (simulated)" if state_chunk == 64 and config.block_v == 8 else ""))
-    result = _run(tmp_path, "--chunk-sizes", "16", "--merge-levels", "0,1,2", "--passes", "state")
-    table_level = kernel_config("kda_intra").merge_levels
-    assert [(r["shape"], r["merge"]) for r in result["summary"]] == [
-        (label, merge) for label, _ in tune_prefill.SMOKE_PREFILL_SHAPES for merge in (0, 1, 2)]
-    for row in result["summary"]:
-        mine = [t for t in result["trials"] if (t["shape"], t["merge"]) == (row["shape"], row["merge"])]
-        (intra,) = [t for t in mine if t["kernel"] == "intra"]
-        assert intra["config"]["merge_levels"] == row["merge"]
-        state = [t for t in mine if t["kernel"] == "state"]
-        assert len(state) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
-        skipped = [t for t in state if row["merge"] == 2 and t["config"]["block_v"] == 8]
-        assert all(t["status"] == "skipped: illegal memory access (simulated)" and t["ms"] is None for t in skipped)
-        assert all(t["status"] == "ok" and t["error"] < 1e-4 for t in mine if t not in skipped)
-        assert bool(skipped) == (row["merge"] == 2)
-        assert row["intra_default_ms"] > 0 and row["state_default_ms"] > 0
-        assert (row["whole_ms"] is not None) == (row["merge"] == table_level)
-    markdown = (tmp_path / "tune-prefill-smoke.md").read_text()
-    assert "| 2 (64) |" in markdown
-    with pytest.raises(SystemExit, match="merge-levels"):
-        tune_prefill.run(["--smoke", "--merge-levels", "-1"])
-
-
 def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_path, monkeypatch):
     real_state, real_intra = PrefillLaunch.state, PrefillLaunch.intra
 
@@ -85,7 +56,7 @@ def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_pat
             self.output.mul_(1.01)                   # a subtly wrong kernel
 
     def intra(self, config=None):
-        if config is not None and config.num_warps == 1:              # grid configs only: the table's has 2
+        if config is not None and config.num_warps == 2:
             raise RuntimeError("out of resources (simulated)")
         real_intra(self, config)
 
@@ -93,12 +64,12 @@ def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_pat
     monkeypatch.setattr(PrefillLaunch, "intra", intra)
     result = _run(tmp_path)
     wrong = [t for t in result["trials"] if t["kernel"] == "state" and t["config"]["block_v"] == 8]
-    failed = [t for t in result["trials"] if t["kernel"] == "intra" and t["config"]["num_warps"] == 1]
+    failed = [t for t in result["trials"] if t["kernel"] == "intra" and t["config"]["num_warps"] == 2]
     assert wrong and all(t["status"].startswith("wrong: output") and t["ms"] is None for t in wrong)
     assert failed and all(t["status"] == "error: RuntimeError: out of resources (simulated)" and t["ms"] is None
                           for t in failed)
     for row in result["summary"]:
-        assert row["state_best"]["config"]["block_v"] != 8 and row["intra_best"]["config"]["num_warps"] != 1
+        assert row["state_best"]["config"]["block_v"] != 8 and row["intra_best"]["config"]["num_warps"] != 2
 
 
 def test_time_budget_skips_what_is_left(tmp_path):

@@ -1,10 +1,9 @@
 """`kda_prefill` (see `k3core.ops`): chunked KDA over a variable-length batch, states by slot, checkpoints.
 
 Two Triton passes (`kda_chunk_intra`: parallel over chunks and heads; `kda_chunk_state`: sequential over the
-chunks of a sequence, parallel over value blocks, heads and sequences), optionally with `kda_chunk_merge` between
-them (pairs of chunks merged into one, so that the state pass takes fewer steps). This wrapper only does
-bookkeeping: it reads cu_seqlens once on the host (one sync per call), cuts every sequence into chunks, and lays out
-the checkpoint rows (by sequence, then position).
+chunks of a sequence, parallel over value blocks, heads and sequences). This wrapper only does bookkeeping:
+it reads cu_seqlens once on the host (one sync per call), cuts every sequence into chunks, and lays out the
+checkpoint rows (by sequence, then position).
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ import triton
 from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel, kda_chunk_intra_two_block_kernel
-from kernels.triton.kda_chunk_merge import kda_chunk_merge_kernel
 from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
@@ -91,56 +89,6 @@ def host_chunk_plan(bounds: list[int], chunk_size: int, checkpoint_interval: int
         seq_chunk.append(len(starts))
         seq_ckpt.append(len(ckpt_lengths))
     return HostChunkPlan(starts, lengths, seq_chunk, seq_ckpt, ckpt_seq_ids, ckpt_lengths)
-
-
-def pair_chunks(bounds: list[int], host: HostChunkPlan, chunk_size: int,
-                checkpoint_interval: int) -> tuple[HostChunkPlan, list[int]]:
-    """The cut into merged chunks (`kda_chunk_merge`), and the first chunk of `host` in each.
-
-    Chunk j and chunk j + 1 merge when both belong to one sequence, chunk j has all chunk_size tokens (the merged
-    chunk's second half starts chunk_size rows in) and chunk j does not end at a checkpoint (a multiple of
-    checkpoint_interval tokens into the sequence), so every checkpoint still ends a chunk; the others stay chunks of
-    their own. The checkpoint tables are `host`'s."""
-    starts, lengths, seq_chunk, first_chunk = [], [], [0], []
-    for b in range(len(bounds) - 1):
-        j, end = host.seq_chunk[b], host.seq_chunk[b + 1]
-        while j < end:
-            consumed = host.starts[j] + host.lengths[j] - bounds[b]
-            paired = (j + 1 < end and host.lengths[j] == chunk_size
-                      and (checkpoint_interval == 0 or consumed % checkpoint_interval != 0))
-            taken = 2 if paired else 1
-            first_chunk.append(j)
-            starts.append(host.starts[j])
-            lengths.append(sum(host.lengths[j:j + taken]))
-            j += taken
-        seq_chunk.append(len(starts))
-    return host._replace(starts=starts, lengths=lengths, seq_chunk=seq_chunk), first_chunk
-
-
-class StateChunks(NamedTuple):
-    """A cut the state pass can walk, with the per-chunk workspace that depends on it (W, U0, Qg and Kd are stored
-    per token and serve every cut): the intra pass's chunks, or those merged in pairs `levels` times."""
-    levels: int
-    chunk_size: int                  # the intra pass's chunk_size << levels
-    host: HostChunkPlan
-    plan: ChunkPlan                  # shares the sequence and checkpoint tables of the intra pass's plan
-    first_chunk: torch.Tensor | None  # [num_chunks] int32: the finer chunk each one starts with (None at level 0)
-    aqk: torch.Tensor                # [T, H, chunk_size]
-    decay: torch.Tensor              # [num_chunks, H, K] float32 exp(G_last)
-
-
-def merged_chunks(finer: StateChunks, bounds: list[int], checkpoint_interval: int) -> StateChunks:
-    """The next level: `finer`'s chunks paired (`pair_chunks`), their tables in one copy, and unfilled buffers for
-    the merged Aqk and decay."""
-    host, first_chunk = pair_chunks(bounds, finer.host, finer.chunk_size, checkpoint_interval)
-    device = finer.aqk.device
-    starts, lengths, seq_chunk, first_chunk = index_tables([host.starts, host.lengths, host.seq_chunk, first_chunk],
-                                                           device)
-    plan = finer.plan._replace(chunk_start=starts, chunk_len=lengths, seq_chunk=seq_chunk)
-    num_tokens, num_heads, k_dim = finer.aqk.shape[0], finer.aqk.shape[1], finer.decay.shape[-1]
-    aqk = torch.empty(num_tokens, num_heads, 2 * finer.chunk_size, dtype=finer.aqk.dtype, device=device)
-    decay = torch.empty(len(host.starts), num_heads, k_dim, dtype=torch.float32, device=device)
-    return StateChunks(finer.levels + 1, 2 * finer.chunk_size, host, plan, first_chunk, aqk, decay)
 
 
 class SegmentPlan(NamedTuple):
@@ -262,8 +210,8 @@ class PrefillLaunch:
     """The two passes of one kda_prefill call with their workspace, launchable one at a time.
 
     kda_prefill runs intra() then state() with the vendor's table configs. A tuning sweep
-    (`bench.tune_prefill`) times each pass on its own with other configs; state() reads the workspace and walks the
-    cut (`chunks`) that the last intra() left, so run intra() once first.
+    (`bench.tune_prefill`) times each pass on its own with other configs; state() reads the workspace
+    intra() wrote, so run intra() once first.
     """
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
@@ -272,7 +220,7 @@ class PrefillLaunch:
         self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
         self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
         self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
-        self.bounds = bounds                                        # on the host (merged and segmented cuts)
+        self.bounds, self.host_plan = bounds, host_plan            # the cut on the host (segmented pass)
         self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
         num_tokens, self.num_heads, self.k_dim = q.shape
         self.v_dim = v.shape[-1]
@@ -289,9 +237,6 @@ class PrefillLaunch:
         self.aqk = torch.empty(num_tokens, self.num_heads, chunk_size, **work)
         self.decay = torch.empty(self.num_chunks, self.num_heads, self.k_dim, dtype=torch.float32,
                                  device=device)                                # exp(G_last)
-        # levels[n]: the chunks merged n times (`_merged`)
-        self.levels = [StateChunks(0, chunk_size, host_plan, plan, None, self.aqk, self.decay)]
-        self.chunks = self.levels[0]                                           # the cut state() walks
         # the kernels test it with `!= 0`: a bool or int32 tensor already on the device is passed as it is, so a
         # prefill launches no conversion kernel for it (the engine passes bool)
         self.has_init = has_initial_state.to(device=device)
@@ -303,26 +248,10 @@ class PrefillLaunch:
         return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
 
     def intra(self, config: KernelConfig | None = None) -> None:
-        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace, then
-        config.merge_levels merges of chunk pairs (`kda_chunk_merge`); sets the cut state() walks."""
-        config = config or kernel_config("kda_intra")
-        if config.merge_levels < 0:
-            raise ValueError(f"kda_prefill: merge_levels must be >= 0, got {config.merge_levels}")
-        self.chunks = self.levels[0]
+        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace."""
         if self.num_chunks == 0:
             return
-        self._intra_kernel(config)
-        for level in range(1, config.merge_levels + 1):
-            self._merge(self.levels[level - 1], self._merged(level), config)
-        self.chunks = self.levels[config.merge_levels]
-
-    def _merged(self, levels: int) -> StateChunks:
-        """The chunks merged `levels` times: planned (with their buffers) on first use, then kept."""
-        while len(self.levels) <= levels:
-            self.levels.append(merged_chunks(self.levels[-1], self.bounds, self.checkpoint_interval))
-        return self.levels[levels]
-
-    def _intra_kernel(self, config: KernelConfig) -> None:
+        config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
         if self.uses_two_block(config):
             kda_chunk_intra_two_block_kernel[(self.num_chunks, self.num_heads)](
@@ -341,17 +270,6 @@ class PrefillLaunch:
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
             PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
-
-    def _merge(self, finer: StateChunks, merged: StateChunks, intra_config: KernelConfig) -> None:
-        """finer's workspace into merged's: W, U0, Qg, Kd rewritten in place, merged.aqk and merged.decay filled; the
-        products take the intra pass's precision."""
-        config = kernel_config("kda_merge")
-        kda_chunk_merge_kernel[(merged.plan.chunk_len.numel(), self.num_heads)](
-            self.w, self.u0, self.qg, self.kd, finer.aqk, finer.decay, merged.aqk, merged.decay,
-            merged.plan.chunk_start, merged.plan.chunk_len, merged.first_chunk, finer.plan.chunk_len,
-            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=finer.chunk_size, BK=pow2_at_least(self.k_dim),
-            BV=pow2_at_least(self.v_dim), PRECISION=self._precision(intra_config), num_warps=config.num_warps,
-            num_stages=config.num_stages)
 
     def uses_two_block(self, config: KernelConfig) -> bool:
         """config.two_block applies to chunks of exactly two sub-chunks with the lower-bounded gate, where every
@@ -382,13 +300,12 @@ class PrefillLaunch:
         else:
             config = narrow
         longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
-        if config.segment_chunks and triton.cdiv(longest, self.chunks.chunk_size) < 2 * config.segment_chunks:
+        if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
             config = dataclasses.replace(config, segment_chunks=0)
         return config
 
     def state(self, config: KernelConfig | None = None) -> None:
-        """Pass 2 (sequential over each sequence's chunks, those of the last intra() call's `chunks`): outputs,
-        final states in place, checkpoints.
+        """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
 
         config.segment_chunks: the chunks run as segments of at least that many, in parallel
         (`kda_chunk_segments`), each from the state entering it."""
@@ -398,17 +315,16 @@ class PrefillLaunch:
             self._state_segmented(config, block_v)
         else:
             self._state_kernel(config, block_v, self.num_seqs, self.state_tensor, self.plan.slots, self.has_init,
-                               self.plan.cu_seqlens, self.chunks.plan.seq_chunk, self.plan.seq_ckpt)
+                               self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
 
     def _state_kernel(self, config: KernelConfig, block_v: int, num_seqs: int, state, slots, has_init, bos,
                       seq_chunk, seq_ckpt) -> None:
         """kda_chunk_state_kernel over `num_seqs` runs of chunks (the sequences, or segments of them)."""
-        chunks = self.chunks
         kda_chunk_state_kernel[(triton.cdiv(self.v_dim, block_v), self.num_heads, num_seqs)](
-            self.w, self.u0, self.qg, self.kd, chunks.aqk, chunks.decay, self.output, state, state.stride(0), slots,
-            has_init, bos, seq_chunk, chunks.plan.chunk_start, chunks.plan.chunk_len, self.ckpt_states, seq_ckpt,
+            self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, state, state.stride(0), slots,
+            has_init, bos, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, seq_ckpt,
             max(self.checkpoint_interval, 1), self.scale,
-            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=chunks.chunk_size, BK=pow2_at_least(self.k_dim),
+            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
             PRECISION=self._precision(config), PREFETCH=config.prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages)
@@ -416,8 +332,7 @@ class PrefillLaunch:
     def _state_segmented(self, config: KernelConfig, block_v: int) -> None:
         """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's
         segments, then the state pass per segment; each sequence's final state is its last segment's."""
-        chunks = self.chunks
-        segments = plan_segments(self.bounds, chunks.host, self.checkpoint_interval, config.segment_chunks,
+        segments = plan_segments(self.bounds, self.host_plan, self.checkpoint_interval, config.segment_chunks,
                                  self.w.device)
         k_dim, v_dim, heads = self.k_dim, self.v_dim, self.num_heads
         block_k = pow2_at_least(k_dim)
@@ -427,8 +342,8 @@ class PrefillLaunch:
                                 device=self.w.device)                     # the state entering / leaving each
         block_c = min(pow2_at_least(config.block_v), pow2_at_least(k_dim + v_dim))
         kda_segment_map_kernel[(triton.cdiv(k_dim + v_dim, block_c), heads, segments.num_segments)](
-            self.w, self.u0, self.kd, chunks.decay, chunks.plan.chunk_start, chunks.plan.chunk_len,
-            segments.seg_chunk, seg_map, H=heads, K=k_dim, V=v_dim, BT=chunks.chunk_size, BK=block_k, BC=block_c,
+            self.w, self.u0, self.kd, self.decay, self.plan.chunk_start, self.plan.chunk_len, segments.seg_chunk,
+            seg_map, H=heads, K=k_dim, V=v_dim, BT=self.chunk_size, BK=block_k, BC=block_c,
             INTERPRETED=is_interpreted(), PRECISION=self._precision(config), num_warps=config.num_warps,
             num_stages=config.num_stages)
         kda_segment_scan_kernel[(triton.cdiv(v_dim, block_v), heads, self.num_seqs)](

@@ -14,7 +14,7 @@ import torch
 
 VENDORS = ("nvidia", "amd")
 # the decode-op tables live in tuning_ops
-KINDS = ("kda_gate", "kda_intra", "kda_merge", "kda_state", "kda_state_wide", "conv_prefill", "conv_decode")
+KINDS = ("kda_gate", "kda_intra", "kda_state", "kda_state_wide", "conv_prefill", "conv_decode")
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,6 @@ class KernelConfig:
     # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off. No
     # table entry sets it: on the H200 it lost (1.95 against 1.45 ms at B=1 x 32K, tune-prefill-segments-*.md).
     segment_chunks: int = 0
-    # kda_intra: after the intra pass, merge consecutive chunks in pairs this many times (kda_chunk_merge), so that
-    # the state pass steps through chunks of block_t << merge_levels tokens, in fewer, larger steps; 0 = off. Setting
-    # it needs a kda_state config checked at that chunk size: the prefetching block_v 16 entry gave NaN outputs at
-    # 64-token chunks on the H200 (bench.tune_prefill's _state_breaks).
-    merge_levels: int = 0
 
 
 _NVIDIA: dict[str, KernelConfig] = {
@@ -53,12 +48,6 @@ _NVIDIA: dict[str, KernelConfig] = {
     # (tune-prefill-two-block-nvidia-h200.md, 77d559e); with its body in use order (095aacb), 0.59 on 2 warps
     # against 0.65 on 4 (tune-prefill-wide128-nvidia-h200.md).
     "kda_intra": KernelConfig(block_t=32, num_warps=2, solve_precision="tf32", two_block=True),
-    # The pair merge after the intra pass when kda_intra's merge_levels > 0 (one program per merged chunk and head,
-    # all value columns). 4 warps: no spills at K = V = 128 offline (bench.kernel_resources, sm_90): 137 registers
-    # merging into 64-token chunks, 252 into 128 (161 on 8 warps). H200, 32K tokens (2026-11-30, first sweep): about
-    # 0.23 ms per level (intra + merges 0.82 / 1.10 ms against 0.59); B=1 x 32K gained (best sums 1.79 ms at 64-token
-    # state chunks against 1.89), 8 x 4K and 64 x 512 lost (1.16 / 1.11 against 0.90 / 0.85).
-    "kda_merge": KernelConfig(num_warps=4),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
     # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
@@ -76,7 +65,6 @@ _AMD: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=2),
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
     "kda_intra": KernelConfig(block_t=64, num_warps=4, solve_precision="ieee"),
-    "kda_merge": KernelConfig(num_warps=2),
     # Not run on AMD hardware. Until `bench.tune_prefill` runs on an MI-series GPU, these are configs that gave
     # correct outputs under Triton 3.6 on an H200 (tune-prefill-*-nvidia-h200.md); the earlier entry, block_v 32 on
     # 4 warps with num_stages=1, was one of the three that gave WRONG outputs there.
