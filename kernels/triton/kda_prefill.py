@@ -40,6 +40,14 @@ PREFETCH_CHECKED_CHUNK = 32
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The overlapped state pass's stream on `device`: one per device, at the highest priority, so that the GPU
+    starts its programs before the intra programs launched just ahead of it that have not started yet."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)     # torch: -1 is high, 0 the default
+    return _SIDE_STREAMS[device]
+
+
 class ChunkPlan(NamedTuple):
     """Host-side description of how the batch is cut (int32 views of one device tensor unless noted)."""
     chunk_start: torch.Tensor        # [num_chunks] first token (global index) of each chunk
@@ -219,8 +227,9 @@ def state_pass_overlaps(config: KernelConfig, programs: int, units: int, on_gpu:
     """Whether the state pass of `programs` programs runs at the same time as the intra pass (`PrefillLaunch.run`):
     the table asks for it (config.overlap), the passes really run concurrently (a GPU, not the interpreter, which
     runs one program at a time), the pass is one kernel (not segmented), and it has fewer programs than the GPU
-    has SMs/CUs. The last makes the wait safe: the state programs start first and wait only on intra programs,
-    which wait on nothing, and at least one SM holds no state program, so intra programs always find room to run."""
+    has SMs/CUs. The last makes the wait safe: the state programs wait only on intra programs, which wait on
+    nothing and are launched before them, and at least one SM holds no state program, so intra programs always find
+    room to run."""
     return config.overlap and on_gpu and not config.segment_chunks and programs < units
 
 
@@ -266,9 +275,15 @@ class PrefillLaunch:
         return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
 
     def run(self) -> None:
-        """Both passes with the table configs. Where `state_pass_overlaps`, the state pass starts first on a side
-        stream and reads each chunk as soon as the intra pass (launched after it on the current stream) has
-        published it; the current stream then waits for both, so the caller sees one ordered op."""
+        """Both passes with the table configs. Where `state_pass_overlaps`, the intra pass is launched first on the
+        current stream and the state pass right after it on a high-priority side stream, whose programs the GPU
+        then starts ahead of the intra programs still waiting; each state program reads a chunk as soon as the
+        intra pass has published it. The current stream then waits for both, so the caller sees one ordered op.
+
+        The intra pass goes first so that nothing can hold it back: launched the other way round (state pass first),
+        the first overlapped call on the H200 did not finish within 150 s, the state programs spinning on flags that
+        no intra program set; most likely the host blocked between the two launches (loading the intra kernel on
+        its first call) until the running state kernel ended, which it could not do."""
         config = self.state_config()
         programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, self._block_v(config))
         on_gpu = self.q.device.type == "cuda" and not is_interpreted()
@@ -278,11 +293,11 @@ class PrefillLaunch:
             return
         flags = torch.zeros(self.num_chunks * self.num_heads, dtype=torch.int32, device=self.q.device)
         main = torch.cuda.current_stream(self.q.device)
-        side = _SIDE_STREAMS.setdefault(self.q.device, torch.cuda.Stream(self.q.device))
-        side.wait_stream(main)                  # inputs, workspace and flags are ready before the state pass reads
+        side = _side_stream(self.q.device)
+        side.wait_stream(main)                  # inputs and zeroed flags, but not the intra pass launched next
+        self.intra(flags=flags)
         with torch.cuda.stream(side):
             self.state(config, flags=flags)
-        self.intra(flags=flags)
         main.wait_stream(side)                  # everything allocated here is freed on `main`, after both passes
 
     def intra(self, config: KernelConfig | None = None, flags: torch.Tensor | None = None) -> None:
