@@ -58,9 +58,9 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
         pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "f_ptr": "bf16", "beta_ptr": "bf16",
                     "a_log_ptr": "fp32", "dt_bias_ptr": "fp32", "chunk_start_ptr": "i32", "chunk_len_ptr": "i32",
                     "w_ptr": "bf16", "u_ptr": "bf16", "qg_ptr": "bf16", "kd_ptr": "bf16", "aqk_ptr": "bf16",
-                    "decay_ptr": "fp32", "flag_ptr": "i32"}
+                    "decay_ptr": "fp32"}
         scalars = {"lower_bound": "fp32"}
-        consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, PRECISION="tf32", FLAGS=False)
+        consts = dict(KDA_SHAPE, BVF=128, SUB=16, FORM=1, PRECISION="tf32")
         if kernel == "kda_intra":
             consts["DENSE"] = True
     elif kernel == "kda_segment_map":
@@ -80,10 +80,10 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
         pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
                         cu_seqlens_ptr="i32", seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
-                        ckpt_ptr="fp32", seq_ckpt_ptr="i32", flag_ptr="i32")
-        scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32", "max_spins": "i32"}
+                        ckpt_ptr="fp32", seq_ckpt_ptr="i32")
+        scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
         consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee",
-                      PREFETCH=kernel == "kda_state_prefetch", WAIT=False)
+                      PREFETCH=kernel == "kda_state_prefetch")
     else:
         raise ValueError(f"unknown kernel {kernel!r}; choose from {', '.join(KERNELS)}")
     names = fn.arg_names

@@ -14,10 +14,6 @@ Both kernels here write W, U0, Qg, Kd, Aqk and exp(G_last); `kda_chunk_state` ru
 gate, exact per-element decay for softplus); `kda_chunk_intra_two_block_kernel` takes 32-token chunks of the
 lower-bounded gate as two 16-token halves (`KernelConfig.two_block`). Every exponent stored or multiplied here is
 <= 0 except inside the dense sub-block products and the halves' in-half column factors.
-
-Programs run chunk-major (program c * H + h is chunk c of head h), so chunks finish roughly in sequence order. With
-FLAGS, each program then publishes its (chunk, head) in `flag_ptr` (release), which lets the state pass run at the
-same time on another stream and start on a chunk as soon as it is written (`kda_prefill`'s overlapped launch).
 """
 from __future__ import annotations
 
@@ -126,22 +122,6 @@ def _unit_lower_inverse(a, rows, BT: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _chunk_and_head(H: tl.constexpr):
-    """(chunk, head) of a program of the chunk-major 1-D grid (chunks x H programs)."""
-    pid = tl.program_id(0)
-    return pid // H, pid % H
-
-
-@triton.jit
-def _publish(flag_ptr, i_chunk, i_h, H: tl.constexpr, FLAGS: tl.constexpr):
-    """With FLAGS: mark this program's (chunk, head) workspace as written. The barrier orders every thread's
-    stores before the one thread's release, which makes them visible to a program that acquires the flag."""
-    if FLAGS:
-        tl.debug_barrier()
-        tl.atomic_xchg(flag_ptr + i_chunk * H + i_h, 1, sem="release", scope="gpu")
-
-
-@triton.jit
 def _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk, i_h, H: tl.constexpr, K: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr):
     """Where the rows of one (chunk, head) program live in [T, H, K]: (length, rows, cols_k, row_ok, head_row,
@@ -162,12 +142,12 @@ def kda_chunk_intra_kernel(
         q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,   # inputs [T, H, *]
         chunk_start_ptr, chunk_len_ptr,                                  # int32 [num_chunks]
         w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,                # workspace (see module doc)
-        flag_ptr,                                                        # int32 [chunks * H] (FLAGS only)
         lower_bound,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, SUB: tl.constexpr,
-        FORM: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr, FLAGS: tl.constexpr):
-    i_chunk, i_h = _chunk_and_head(H)
+        FORM: tl.constexpr, DENSE: tl.constexpr, PRECISION: tl.constexpr):
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
     length, rows, cols_k, row_ok, head_row, mask_k, offs_k = _chunk_rows(chunk_start_ptr, chunk_len_ptr, i_chunk,
                                                                          i_h, H, K, BT, BK)
     DOT_DTYPE = w_ptr.dtype.element_ty
@@ -211,7 +191,6 @@ def kda_chunk_intra_kernel(
     u0 = tl.dot(t_inv, v_in.to(tl.float32) * beta[:, None], input_precision=PRECISION)            # [BT, BVF]
     tl.store(u_ptr + offs_v, u0.to(DOT_DTYPE), mask=mask_v)
     tl.store(decay_ptr + (i_chunk * H + i_h) * K + cols_k, tl.exp(g_last), mask=cols_k < K)
-    _publish(flag_ptr, i_chunk, i_h, H, FLAGS)
 
 
 @triton.jit
@@ -243,9 +222,9 @@ def _half_rows(q_ptr, k_ptr, f_ptr, v_ptr, beta_ptr, a_log, dt_bias, lower_bound
 @triton.jit
 def kda_chunk_intra_two_block_kernel(
         q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr,
-        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, flag_ptr, lower_bound,
+        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, lower_bound,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
-        BVF: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr, FLAGS: tl.constexpr):
+        BVF: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr):
     """The same outputs as kda_chunk_intra_kernel for chunks of BT = 2 SUB tokens with the lower-bounded gate,
     computed on the two SUB-row halves of the chunk instead of masked BT-row tiles.
 
@@ -257,7 +236,8 @@ def kda_chunk_intra_two_block_kernel(
     the wrapper keeps <= exp(MAX_DENSE_EXPONENT). Every factor is an exp of a half tile (four of them), where the
     masked form takes seven of full tiles; the solve is two SUB x SUB inverses and T10 = -T11 A10 T00.
     """
-    i_chunk, i_h = _chunk_and_head(H)
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
     start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
     length = tl.load(chunk_len_ptr + i_chunk)
     cols_k = tl.arange(0, BK)
@@ -326,4 +306,3 @@ def kda_chunk_intra_two_block_kernel(
     u1 = tl.dot(t10, vb0, input_precision=PRECISION) + tl.dot(t11, v1.to(tl.float32) * beta1[:, None],
                                                              input_precision=PRECISION)
     tl.store(u_ptr + ov1, u1.to(DOT_DTYPE), mask=mv1)
-    _publish(flag_ptr, i_chunk, i_h, H, FLAGS)

@@ -9,10 +9,6 @@ registers for the whole sequence, and per chunk (inputs from `kda_chunk_intra`):
 
 Every product splits by value columns, so value blocks and heads run in parallel with no communication; the
 state is read once from state[slot] and written once, plus once per checkpoint the radix cache asked for.
-
-WAIT (the overlapped launch, `kda_prefill`): the intra pass runs at the same time on another stream, and each
-chunk's inputs are read only once the intra program that writes them has published its flag (acquire), past L1.
-A flag that never comes (after max_spins polls) turns the state into NaN instead of hanging the GPU.
 """
 from __future__ import annotations
 
@@ -21,39 +17,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _wait_for_chunk(flag_ptr, index, max_spins):
-    """Poll flag `index` (acquire) until the intra pass has published it, at most max_spins times; whether it was."""
-    seen = tl.atomic_add(flag_ptr + index, 0, sem="acquire", scope="gpu")
-    spins = 1
-    while (seen == 0) & (spins < max_spins):
-        seen = tl.atomic_add(flag_ptr + index, 0, sem="acquire", scope="gpu")
-        spins += 1
-    return seen != 0
-
-
-@triton.jit
 def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-                chunk_start_ptr, chunk_len_ptr, flag_ptr, max_spins, H: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BT: tl.constexpr, AHEAD: tl.constexpr, WAIT: tl.constexpr):
+                chunk_start_ptr, chunk_len_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, AHEAD: tl.constexpr):
     """Every input of one chunk's step: (start, length, W, Qg, Kd, U0, Aqk, exp(G_last)). AHEAD (the prefetching
-    loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0). WAIT:
-    first wait for the chunk's flag; a flag that never came makes U0 and exp(G_last) NaN."""
-    if WAIT:
-        # past the end (AHEAD) the last chunk's flag stands in (it was waited for already), so that the index stays
-        # in the table; an empty first sequence waits for chunk 0
-        flag_chunk = tl.maximum(tl.minimum(i_chunk, end_chunk - 1), 0)
-        published = _wait_for_chunk(flag_ptr, flag_chunk * H + i_h, max_spins)
-        return _chunk_inputs(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr,
-                             decay_ptr, chunk_start_ptr, chunk_len_ptr, published, H, K, V, BT, AHEAD, ".cg")
-    return _chunk_inputs(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr,
-                         decay_ptr, chunk_start_ptr, chunk_len_ptr, True, H, K, V, BT, AHEAD, "")
-
-
-@triton.jit
-def _chunk_inputs(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-                  chunk_start_ptr, chunk_len_ptr, published, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, AHEAD: tl.constexpr, CACHE: tl.constexpr):
-    """_chunk_load's loads (CACHE: their cache modifier)."""
+    loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0)."""
     if AHEAD:
         valid = i_chunk < end_chunk
         start = tl.load(chunk_start_ptr + i_chunk, mask=valid, other=0).to(tl.int64)
@@ -67,20 +35,15 @@ def _chunk_inputs(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, q
     mask_k = row_ok[:, None] & k_ok[None, :]
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
     offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
-    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)              # [BT, BK]
-    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)
-    kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)
-    u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0,
-                 cache_modifier=CACHE).to(tl.float32)
-    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0,
-                  cache_modifier=CACHE)
+    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
+    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
+    kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
+    u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
     if AHEAD:
-        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0,
-                        cache_modifier=CACHE)                                        # [BK]
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0)  # [BK]
     else:
-        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0, cache_modifier=CACHE)
-    u0 = tl.where(published, u0, float("nan"))              # outputs from this chunk on
-    decay = tl.where(published, decay, float("nan"))        # the state after it
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)
     return start, length, w, qg, kd, u0, aqk, decay
 
 
@@ -126,11 +89,10 @@ def kda_chunk_state_kernel(
         state_ptr, state_stride, slot_ptr, has_init_ptr,                 # [slots, H, V, K] f32 (dim 0 strided)
         cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,   # int32 tables
         ckpt_ptr, seq_ckpt_ptr, ckpt_interval,                           # [N, H, V, K] f32, int32 [B + 1]
-        flag_ptr, max_spins,                                             # int32 [chunks * H] (WAIT only)
         scale,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
+        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """PREFETCH: each step first issues the loads of the next chunk (into registers, carried by the loop), so
     their latency overlaps this chunk's products; the chunk table lookup makes every load address depend on a
     load, which the software pipeliner (num_stages) cannot run ahead on its own."""
@@ -156,7 +118,7 @@ def kda_chunk_state_kernel(
     if PREFETCH:
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-            chunk_start_ptr, chunk_len_ptr, flag_ptr, max_spins, H, K, V, BT, True, WAIT)
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:                       # placeholders of the loop-carried inputs: every iteration loads its own chunk
         DOT_DTYPE = w_ptr.dtype.element_ty
         start = first_chunk.to(tl.int64) * 0
@@ -175,16 +137,16 @@ def kda_chunk_state_kernel(
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, flag_ptr, max_spins, scale,
-                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH, WAIT)
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, flag_ptr, max_spins, scale,
-                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH, WAIT)
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
 
@@ -192,19 +154,18 @@ def kda_chunk_state_kernel(
 @triton.jit
 def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, flag_ptr, max_spins, scale,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
+                PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One loop iteration: step chunk i_chunk with its inputs (loaded one iteration earlier with PREFETCH, else
     here) and return the new state with the inputs of chunk i_chunk + 1."""
     if PREFETCH:
         nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
-                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, flag_ptr, max_spins, H, K, V, BT,
-                          True, WAIT)
+                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-            chunk_start_ptr, chunk_len_ptr, flag_ptr, max_spins, H, K, V, BT, False, WAIT)
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, False)
     h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                     start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                     H, K, V, BT, CHECKPOINTS, PRECISION)

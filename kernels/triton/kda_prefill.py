@@ -3,8 +3,7 @@
 Two Triton passes (`kda_chunk_intra`: parallel over chunks and heads; `kda_chunk_state`: sequential over the
 chunks of a sequence, parallel over value blocks, heads and sequences). This wrapper only does bookkeeping:
 it reads cu_seqlens once on the host (one sync per call), cuts every sequence into chunks, and lays out the
-checkpoint rows (by sequence, then position). Where the state pass has fewer programs than the GPU has SMs (one
-long sequence), it runs at the same time as the intra pass, following it chunk by chunk (`PrefillLaunch.run`).
+checkpoint rows (by sequence, then position).
 """
 from __future__ import annotations
 
@@ -29,23 +28,6 @@ NARROW_STATE_PROGRAMS_PER_UNIT = 2
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
 MAX_DENSE_EXPONENT = 80.0
-# The overlapped state pass polls each chunk's flag at most this many times (an L2 round trip each, ~1 us) before
-# it gives up on the chunk and writes NaN: a producer that never comes must not hang the GPU.
-MAX_FLAG_POLLS = 100_000_000
-# The prefetching state kernel was checked at 32-token chunks. On longer chunks with value blocks of <= 32 it gave
-# NaN or far-off outputs and illegal memory accesses on the H200 under Triton 3.6.0 (64- and 128-token chunks,
-# 2026-11-30; the same kernel is right in the interpreter, and with block_v 64 / 128), so it runs there without.
-PREFETCH_CHECKED_CHUNK = 32
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The overlapped state pass's stream on `device`: one per device, at the highest priority, so that the GPU
-    starts its programs before the intra programs launched just ahead of it that have not started yet."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)     # torch: -1 is high, 0 the default
-    return _SIDE_STREAMS[device]
 
 
 class ChunkPlan(NamedTuple):
@@ -187,7 +169,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
                                          has_initial_state, scale, checkpoint_interval, chunk_size=chunk_size)
     if launch is not None:
-        launch.run()
+        launch.intra()
+        launch.state()
     return result
 
 
@@ -223,22 +206,12 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
                          output, ckpt_states, float(scale), checkpoint_interval, chunk_size, bounds, host_plan), result
 
 
-def state_pass_overlaps(config: KernelConfig, programs: int, units: int, on_gpu: bool) -> bool:
-    """Whether the state pass of `programs` programs runs at the same time as the intra pass (`PrefillLaunch.run`):
-    the table asks for it (config.overlap), the passes really run concurrently (a GPU, not the interpreter, which
-    runs one program at a time), the pass is one kernel (not segmented), and it has fewer programs than the GPU
-    has SMs/CUs. The last makes the wait safe: the state programs wait only on intra programs, which wait on
-    nothing and are launched before them, and at least one SM holds no state program, so intra programs always find
-    room to run."""
-    return config.overlap and on_gpu and not config.segment_chunks and programs < units
-
-
 class PrefillLaunch:
     """The two passes of one kda_prefill call with their workspace, launchable one at a time.
 
-    kda_prefill calls run(): intra() then state() with the vendor's table configs, at the same time where
-    `state_pass_overlaps`. A tuning sweep (`bench.tune_prefill`) times each pass on its own with other configs;
-    state() reads the workspace intra() wrote, so run intra() once first (or pass both the same flags).
+    kda_prefill runs intra() then state() with the vendor's table configs. A tuning sweep
+    (`bench.tune_prefill`) times each pass on its own with other configs; state() reads the workspace
+    intra() wrote, so run intra() once first.
     """
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
@@ -274,63 +247,29 @@ class PrefillLaunch:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
         return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
 
-    def run(self) -> None:
-        """Both passes with the table configs. Where `state_pass_overlaps`, the intra pass is launched first on the
-        current stream and the state pass right after it on a high-priority side stream, whose programs the GPU
-        then starts ahead of the intra programs still waiting; each state program reads a chunk as soon as the
-        intra pass has published it. The current stream then waits for both, so the caller sees one ordered op.
-
-        The intra pass goes first so that nothing can hold it back: launched the other way round (state pass first),
-        the first overlapped call on the H200 did not finish within 150 s, the state programs spinning on flags that
-        no intra program set; most likely the host blocked between the two launches (loading the intra kernel on
-        its first call) until the running state kernel ended, which it could not do."""
-        config = self.state_config()
-        programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, self._block_v(config))
-        on_gpu = self.q.device.type == "cuda" and not is_interpreted()
-        if self.num_chunks == 0 or not state_pass_overlaps(config, programs, compute_units(self.q.device), on_gpu):
-            self.intra()
-            self.state(config)
-            return
-        flags = torch.zeros(self.num_chunks * self.num_heads, dtype=torch.int32, device=self.q.device)
-        main = torch.cuda.current_stream(self.q.device)
-        side = _side_stream(self.q.device)
-        side.wait_stream(main)                  # inputs and zeroed flags, but not the intra pass launched next
-        self.intra(flags=flags)
-        with torch.cuda.stream(side):
-            self.state(config, flags=flags)
-        main.wait_stream(side)                  # everything allocated here is freed on `main`, after both passes
-
-    def intra(self, config: KernelConfig | None = None, flags: torch.Tensor | None = None) -> None:
-        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace. flags
-        (int32 [chunks * H], zero): each program then sets its (chunk, head) entry to 1 once its workspace is
-        written, for a state pass running at the same time (`run`)."""
+    def intra(self, config: KernelConfig | None = None) -> None:
+        """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace."""
         if self.num_chunks == 0:
             return
         config = config or kernel_config("kda_intra")
         sub_chunk = min(config.sub_chunk, self.chunk_size)
-        # one chunk-major 1-D grid (program c * H + h): chunks finish roughly in order, and the chunk count is not
-        # bound by a grid dimension's 65535
-        grid = (self.num_chunks * self.num_heads,)
-        flag_args = dict(flag_ptr=self.plan.chunk_len if flags is None else flags, FLAGS=flags is not None)
         if self.uses_two_block(config):
-            kda_chunk_intra_two_block_kernel[grid](
+            kda_chunk_intra_two_block_kernel[(self.num_chunks, self.num_heads)](
                 self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
                 self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
-                lower_bound=float(self.gate.lower_bound),
+                float(self.gate.lower_bound),
                 H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, SUB=sub_chunk,
                 BK=pow2_at_least(self.k_dim), BVF=pow2_at_least(self.v_dim), FORM=self.form,
-                PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages,
-                **flag_args)
+                PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
             return
         dense = self.form == 1 and (sub_chunk - 1) * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT
-        kda_chunk_intra_kernel[grid](
+        kda_chunk_intra_kernel[(self.num_chunks, self.num_heads)](
             self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, self.plan.chunk_start,
             self.plan.chunk_len, self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
-            lower_bound=float(self.gate.lower_bound),
+            float(self.gate.lower_bound),
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BVF=pow2_at_least(self.v_dim), SUB=sub_chunk, FORM=self.form, DENSE=dense,
-            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages,
-            **flag_args)
+            PRECISION=self._precision(config), num_warps=config.num_warps, num_stages=config.num_stages)
 
     def uses_two_block(self, config: KernelConfig) -> bool:
         """config.two_block applies to chunks of exactly two sub-chunks with the lower-bounded gate, where every
@@ -363,43 +302,32 @@ class PrefillLaunch:
         longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
         if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
             config = dataclasses.replace(config, segment_chunks=0)
-        if config.prefetch and self.chunk_size > PREFETCH_CHECKED_CHUNK and config.block_v <= 32:
-            config = dataclasses.replace(config, prefetch=False)
         return config
 
-    def state(self, config: KernelConfig | None = None, flags: torch.Tensor | None = None,
-              max_polls: int = MAX_FLAG_POLLS) -> None:
+    def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.
 
         config.segment_chunks: the chunks run as segments of at least that many, in parallel
-        (`kda_chunk_segments`), each from the state entering it. flags (those given to intra()): read each
-        chunk only once its flag is set, polling at most max_polls times (then NaN from that chunk on)."""
+        (`kda_chunk_segments`), each from the state entering it."""
         config = config or self.state_config()
-        block_v = self._block_v(config)
+        block_v = min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
         if config.segment_chunks:
-            if flags is not None:
-                raise ValueError("kda_prefill: the segmented state pass cannot follow the intra pass by flags")
             self._state_segmented(config, block_v)
         else:
             self._state_kernel(config, block_v, self.num_seqs, self.state_tensor, self.plan.slots, self.has_init,
-                               self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt, flags, max_polls)
-
-    def _block_v(self, config: KernelConfig) -> int:
-        return min(pow2_at_least(config.block_v), pow2_at_least(self.v_dim))
+                               self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
 
     def _state_kernel(self, config: KernelConfig, block_v: int, num_seqs: int, state, slots, has_init, bos,
-                      seq_chunk, seq_ckpt, flags: torch.Tensor | None = None, max_polls: int = MAX_FLAG_POLLS
-                      ) -> None:
+                      seq_chunk, seq_ckpt) -> None:
         """kda_chunk_state_kernel over `num_seqs` runs of chunks (the sequences, or segments of them)."""
         kda_chunk_state_kernel[(triton.cdiv(self.v_dim, block_v), self.num_heads, num_seqs)](
             self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, state, state.stride(0), slots,
             has_init, bos, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, seq_ckpt,
-            max(self.checkpoint_interval, 1), self.plan.chunk_len if flags is None else flags, max_polls,
-            self.scale,
+            max(self.checkpoint_interval, 1), self.scale,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
             BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
-            PRECISION=self._precision(config), PREFETCH=config.prefetch, WAIT=flags is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            PRECISION=self._precision(config), PREFETCH=config.prefetch, num_warps=config.num_warps,
+            num_stages=config.num_stages)
 
     def _state_segmented(self, config: KernelConfig, block_v: int) -> None:
         """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's

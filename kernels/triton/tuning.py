@@ -35,9 +35,6 @@ class KernelConfig:
     # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off. No
     # table entry sets it: on the H200 it lost (1.95 against 1.45 ms at B=1 x 32K, tune-prefill-segments-*.md).
     segment_chunks: int = 0
-    # kda_state*: run at the same time as the intra pass, chunk by chunk, where that is safe
-    # (kda_prefill.state_pass_overlaps: fewer state programs than SMs)
-    overlap: bool = False
 
 
 _NVIDIA: dict[str, KernelConfig] = {
@@ -53,7 +50,7 @@ _NVIDIA: dict[str, KernelConfig] = {
     "kda_intra": KernelConfig(block_t=32, num_warps=2, solve_precision="tf32", two_block=True),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
     # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
-    "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True, overlap=True),
+    "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
     # When kda_state's programs would not all be resident at once (see kda_prefill's state_config): whole 128-wide
     # value blocks on 8 warps, 0.31 ms at 8 x 4K and 0.26 at 64 x 512 against 0.39 / 0.34 for 64-wide blocks on 4
     # (tune-prefill-wide128-nvidia-h200.md, 2026-11-30; 0.72 / 0.73 with kda_state's). In the sweeps (Triton 3.6)
