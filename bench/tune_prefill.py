@@ -41,7 +41,7 @@ from bench.cases_kda import (
 from bench.context import fla_unavailable, make_context, require_interpreter, results_dir
 from bench.report import environment, poison_allocator
 from bench.timing import sweep_timer
-from kernels.triton.kda_prefill import PrefillLaunch, kda_prefill, prepare_kda_prefill
+from kernels.triton.kda_prefill import PREFETCH_CHECKED_CHUNK, PrefillLaunch, kda_prefill, prepare_kda_prefill
 from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
@@ -121,9 +121,12 @@ def sweep_shape(ctx, label: str, lengths: tuple[int, ...], heads: int, dim: int,
 
 
 def _attempt(ctx, x, ref, trial: Trial, deadline: float, run: Callable[[], torch.Tensor],
-             timed: Callable[[], object], log: Callable[[Trial], None]) -> Trial:
-    """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed."""
-    if time.perf_counter() > deadline:
+             timed: Callable[[], object], log: Callable[[Trial], None], skip: str = "") -> Trial:
+    """run() poisons what it writes, runs, and returns the op's output; timed() is what gets timed. A non-empty
+    `skip` says why the trial is not run."""
+    if skip:
+        trial.status = f"skipped: {skip}"
+    elif time.perf_counter() > deadline:
         trial.status = "skipped: past the time budget"
     else:
         try:
@@ -146,9 +149,9 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], d
     launch, _ = prepare_kda_prefill(*x.args(), chunk_size=chunk)
     trials: list[Trial] = []
 
-    def attempt(kind: str, config: KernelConfig | None, run, timed) -> None:
+    def attempt(kind: str, config: KernelConfig | None, run, timed, skip: str = "") -> None:
         trial = Trial(label, kind, _config_dict(kind, config) if config else {}, chunk=chunk)
-        trials.append(_attempt(ctx, x, ref, trial, deadline, run, timed, log))
+        trials.append(_attempt(ctx, x, ref, trial, deadline, run, timed, log, skip))
 
     # the whole op as callers see it: cu_seqlens and slot_ids on the device (one sync to read them), and on the
     # host (no sync before planning: the engine knows both)
@@ -176,8 +179,17 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], d
     launch.intra()                                     # the table config's workspace for the state sweep
     for config in [launch.state_config()] + (state_grid if "state" in passes else []):
         attempt("state", config, lambda c=config: poisoned(False, lambda: launch.state(c)),
-                lambda c=config: launch.state(c))
+                lambda c=config: launch.state(c), _state_skip(config, chunk))
     return trials
+
+
+def _state_skip(config: KernelConfig, chunk: int) -> str:
+    """Why a state config is not tried at this chunk size ('' when it is): the prefetching narrow form past
+    PREFETCH_CHECKED_CHUNK tokens gave wrong outputs and illegal memory accesses on the H200 (an illegal access
+    takes the CUDA context, and the rest of the sweep, down), and kda_prefill never runs it there."""
+    if config.prefetch and chunk > PREFETCH_CHECKED_CHUNK and config.block_v <= 32:
+        return f"prefetch with block_v <= 32 at {chunk}-token chunks (wrong on the H200: kda_prefill)"
+    return ""
 
 
 def summary(trials: list[Trial]) -> list[dict]:

@@ -162,6 +162,27 @@ def test_state_pass_takes_wide_value_blocks_only_past_one_resident_wave_of_narro
             torch.testing.assert_close(out.double(), expected_out, **KDA_OUT_TOL)
 
 
+@pytest.mark.parametrize("block_v,chunk,prefetch", [(16, 32, True), (16, 64, False), (32, 128, False),
+                                                     (64, 64, True), (128, 128, True)])
+def test_state_config_prefetches_narrow_blocks_only_on_checked_chunks(monkeypatch, block_v, chunk, prefetch):
+    """A prefetching kda_state entry keeps prefetch at 32-token chunks, and for narrow value blocks (<= 32) loses
+    it on longer chunks, where that form gave wrong outputs on the H200 (kda_prefill.PREFETCH_CHECKED_CHUNK); wide
+    blocks keep it everywhere. Everything else in the entry stays."""
+    import kernels.triton.kda_prefill as prefill_module
+    entry = dataclasses.replace(kernel_config("kda_state"), block_v=block_v, prefetch=True)
+    real = prefill_module.kernel_config
+    monkeypatch.setattr(prefill_module, "kernel_config",
+                        lambda kind: entry if kind in ("kda_state", "kda_state_wide") else real(kind))
+    inputs = _inputs(200, 2, 16, 16, strong=False)
+    launch, _ = prepare_kda_prefill(**inputs, gate=_gate("lower_bound", 2, 16, False),
+                                    cu_seqlens=_cu_seqlens([200]).to(DEVICE),
+                                    state=torch.zeros(1, 2, 16, 16, device=DEVICE),
+                                    slot_ids=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                    has_initial_state=torch.zeros(1, dtype=torch.bool, device=DEVICE), scale=0.5,
+                                    chunk_size=chunk)
+    assert launch.state_config() == dataclasses.replace(entry, prefetch=prefetch)
+
+
 @pytest.mark.parametrize("form,chunk_size,lengths,k_dim,v_dim,interval,strong",
                          [case for case in PREFILL_CASES if sum(case[2]) > 0][::2] + [PREFILL_CASES[7]])
 @pytest.mark.parametrize("prefetch", [True, False])

@@ -2,6 +2,7 @@
 that raises, is recorded as such, never timed, never picked."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -86,3 +87,13 @@ def test_passes_limits_the_sweep_but_both_passes_are_still_timed(tmp_path):
         assert len([t for t in mine if t["kernel"] == "state"]) == 1 + len(tune_prefill.SMOKE_STATE_GRID)
     with pytest.raises(SystemExit, match="choose from intra, state"):
         tune_prefill.run(["--smoke", "--passes", "gate"])
+
+
+def test_state_sweep_skips_the_prefetching_narrow_form_past_the_checked_chunk_size():
+    """It gave wrong outputs and illegal memory accesses past 32-token chunks on the H200, and an illegal access
+    would end the sweep; kda_prefill never runs it there (kda_prefill.PREFETCH_CHECKED_CHUNK)."""
+    narrow = dataclasses.replace(kernel_config("kda_state"), block_v=16, prefetch=True)
+    assert tune_prefill._state_skip(narrow, 32) == ""
+    assert "prefetch" in tune_prefill._state_skip(narrow, 64)
+    assert tune_prefill._state_skip(dataclasses.replace(narrow, prefetch=False), 64) == ""
+    assert tune_prefill._state_skip(dataclasses.replace(narrow, block_v=64), 128) == ""

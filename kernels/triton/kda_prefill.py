@@ -28,6 +28,12 @@ NARROW_STATE_PROGRAMS_PER_UNIT = 2
 # The dense intra-chunk path multiplies factors up to exp((sub_chunk - 1) * |lower_bound|); keep that below
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
 MAX_DENSE_EXPONENT = 80.0
+# The prefetching state kernel with value blocks of <= 32 is right at 32-token chunks and wrong past them on the H200
+# under Triton 3.6.0 (2026-11-30): the whole op at 64-token chunks gave a relative error of 0.90, merged 64-token
+# chunks NaN or 0.87-1.06, 128-token chunks illegal memory accesses; block_v 64 / 128 and the same kernel without
+# prefetch were right, and the interpreter is right in every form (bench/results/tune-prefill-merge-nvidia-h200.md).
+# Past this chunk size such a config runs without prefetch.
+PREFETCH_CHECKED_CHUNK = 32
 
 
 class ChunkPlan(NamedTuple):
@@ -289,7 +295,8 @@ class PrefillLaunch:
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.
 
         A table entry with segment_chunks keeps it only when some sequence spans at least two segments of that
-        many chunks; otherwise the segmented pass would add its map and scan for one segment per sequence.
+        many chunks; otherwise the segmented pass would add its map and scan for one segment per sequence. Past
+        PREFETCH_CHECKED_CHUNK-token chunks, narrow blocks run without prefetch (see there).
         """
         narrow = kernel_config("kda_state")
         programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, narrow.block_v)
@@ -302,6 +309,8 @@ class PrefillLaunch:
         longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
         if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
             config = dataclasses.replace(config, segment_chunks=0)
+        if config.prefetch and self.chunk_size > PREFETCH_CHECKED_CHUNK and config.block_v <= 32:
+            config = dataclasses.replace(config, prefetch=False)
         return config
 
     def state(self, config: KernelConfig | None = None) -> None:
