@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. After the 2026-11-30 (eighth) session nothing is owed by a
-# change: the ops whose kernels or tables changed (mla_decode, moe_experts) and the whole model were re-checked on the
-# H200, and every kernel row but KDA prefill (kernels unchanged since 1f768cd; its fla autotune alone takes ~7 min)
-# was measured at one commit (conformance/results/README.md, bench/README.md).
+# Device calls for issue 6, one nvidia-h200 each. Owed after the 2026-11-30 ninth session: KDA prefill at
+# chunk_size=64 (not the default) now runs its narrow state blocks without prefetch, checked on the H200 at B=1 x 4K
+# only; `tune --chunk-sizes 64 --passes ''` checks the whole op at 64 on all three sweep shapes against float64
+# (~2 min without .whl). Nothing else changed on a default path since the eighth session, whose ops (mla_decode,
+# moe_experts) and whole model were re-checked on the H200 (conformance/results/README.md, bench/README.md).
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every op and the whole-model
 #                                                          #   check (12+ files: run it as two calls); `check
 #                                                          #   kda_decode,mla_decode` for some ops (+ the model check)
