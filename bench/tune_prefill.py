@@ -41,7 +41,7 @@ from bench.cases_kda import (
 from bench.context import fla_unavailable, make_context, require_interpreter, results_dir
 from bench.report import environment, poison_allocator
 from bench.timing import sweep_timer
-from kernels.triton.kda_prefill import PREFETCH_CHECKED_CHUNK, PrefillLaunch, kda_prefill, prepare_kda_prefill
+from kernels.triton.kda_prefill import PrefillLaunch, kda_prefill, prefetch_unchecked, prepare_kda_prefill
 from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
@@ -185,9 +185,9 @@ def _sweep_chunk(ctx, x, ref, label: str, chunk: int, passes: tuple[str, ...], d
 
 def _state_skip(config: KernelConfig, chunk: int) -> str:
     """Why a state config is not tried at this chunk size ('' when it is): the prefetching narrow form past
-    PREFETCH_CHECKED_CHUNK tokens gave wrong outputs and illegal memory accesses on the H200 (an illegal access
-    takes the CUDA context, and the rest of the sweep, down), and kda_prefill never runs it there."""
-    if config.prefetch and chunk > PREFETCH_CHECKED_CHUNK and config.block_v <= 32:
+    32-token chunks gave wrong outputs and illegal memory accesses on the H200 (an illegal access takes the CUDA
+    context, and the rest of the sweep, down), and kda_prefill never runs it there (`prefetch_unchecked`)."""
+    if prefetch_unchecked(config, chunk):
         return f"prefetch with block_v <= 32 at {chunk}-token chunks (wrong on the H200: kda_prefill)"
     return ""
 

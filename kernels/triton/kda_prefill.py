@@ -30,10 +30,16 @@ NARROW_STATE_PROGRAMS_PER_UNIT = 2
 MAX_DENSE_EXPONENT = 80.0
 # The prefetching state kernel with value blocks of <= 32 is right at 32-token chunks and wrong past them on the H200
 # under Triton 3.6.0 (2026-11-30): the whole op at 64-token chunks gave a relative error of 0.90, merged 64-token
-# chunks NaN or 0.87-1.06, 128-token chunks illegal memory accesses; block_v 64 / 128 and the same kernel without
-# prefetch were right, and the interpreter is right in every form (bench/results/tune-prefill-merge-nvidia-h200.md).
-# Past this chunk size such a config runs without prefetch.
+# chunks NaN or relative errors of 0.03-1.06, 128-token chunks illegal memory accesses; block_v 64 / 128 and the
+# same kernel without prefetch were right, and the interpreter is right in every form
+# (bench/results/tune-prefill-merge-nvidia-h200.md). Past this chunk size such a config runs without prefetch.
 PREFETCH_CHECKED_CHUNK = 32
+
+
+def prefetch_unchecked(config: KernelConfig, chunk_size: int) -> bool:
+    """Whether `config` is the prefetching narrow state form on chunks longer than it was found right on
+    (PREFETCH_CHECKED_CHUNK)."""
+    return config.prefetch and chunk_size > PREFETCH_CHECKED_CHUNK and config.block_v <= 32
 
 
 class ChunkPlan(NamedTuple):
@@ -309,7 +315,7 @@ class PrefillLaunch:
         longest = max((end - start for start, end in zip(self.bounds[:-1], self.bounds[1:])), default=0)
         if config.segment_chunks and triton.cdiv(longest, self.chunk_size) < 2 * config.segment_chunks:
             config = dataclasses.replace(config, segment_chunks=0)
-        if config.prefetch and self.chunk_size > PREFETCH_CHECKED_CHUNK and config.block_v <= 32:
+        if prefetch_unchecked(config, self.chunk_size):
             config = dataclasses.replace(config, prefetch=False)
         return config
 
