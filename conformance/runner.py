@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from conformance.cases import Case, OpCall, build
-from conformance.tolerances import EXACT, Tolerance, tolerance
+from conformance.tolerances import EXACT, ROUTE_TIE_RTOL, Tolerance, tolerance
 from k3core.backend import OpSpec, Provider, load_backend, providers
 from k3core.config import ModelConfig
 from k3core.ops import op_info
+from kernels.torch.moe import route_scores, route_weights
 
 
 @dataclass
@@ -82,6 +83,33 @@ def named_outputs(op: str, result: Any) -> dict[str, torch.Tensor]:
         outputs = {"weights": outputs["weights"].gather(-1, order),
                    "expert_ids": outputs["expert_ids"].gather(-1, order)}
     return outputs
+
+
+def resolve_route_ties(got: dict[str, torch.Tensor], oracle: dict[str, torch.Tensor],
+                       oracle_in: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The oracle's routing (named_outputs: per-token ids sorted, weights in that order), except for tokens where
+    the provider chose other experts that tie with the oracle's at the top-k boundary: every expert in one set and
+    not the other has a float64 choice score within ROUTE_TIE_RTOL of the oracle's k-th. For those tokens the oracle
+    takes the provider's experts and its own float64 weights for them, so the exact id check and the weight
+    tolerance still apply; a swap across a real gap stays a mismatch."""
+    got_ids = got["expert_ids"].detach().cpu().to(torch.int64)
+    want_ids = oracle["expert_ids"]
+    differ = (got_ids != want_ids).any(dim=-1).nonzero().flatten().tolist() if got_ids.shape == want_ids.shape else []
+    if not differ:
+        return oracle
+    scores, choice = route_scores(oracle_in["logits"], oracle_in["correction_bias"], oracle_in["scoring"])
+    top_k = want_ids.shape[-1]
+    boundary = choice.topk(top_k, dim=-1).values[:, -1]                        # [T] the k-th choice score
+    ids, weights = want_ids.clone(), oracle["weights"].clone()
+    for t in differ:
+        if len(set(got_ids[t].tolist())) != top_k or not all(0 <= e < choice.shape[-1] for e in got_ids[t].tolist()):
+            continue                                                           # not a valid choice at all
+        swapped = torch.tensor(sorted(set(got_ids[t].tolist()) ^ set(want_ids[t].tolist())))
+        if bool(((choice[t, swapped] - boundary[t]).abs() <= ROUTE_TIE_RTOL * boundary[t].abs()).all()):
+            ids[t] = got_ids[t]
+            weights[t] = route_weights(scores[t:t + 1], got_ids[t:t + 1], oracle_in["renormalize"],
+                                       oracle_in["routed_scaling_factor"])[0]
+    return {"weights": weights, "expert_ids": ids}
 
 
 # ---- comparison -------------------------------------------------------------------------------------------
@@ -151,6 +179,8 @@ def run_case(case: Case, provider: Provider, dtype: torch.dtype, device: torch.d
         oracle_fn = Provider(case.op, "oracle", "torch", 0, op_info(case.op).reference).load()
         oracle_out = named_outputs(case.op, oracle_fn(**oracle_in))
         got = named_outputs(case.op, provider.load()(**rounded))
+        if case.op == "moe_route":
+            oracle_out = resolve_route_ties(got, oracle_out, oracle_in)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         for name, want in oracle_out.items():

@@ -74,6 +74,12 @@ COPY = {dtype: Tolerance(0.0, 0.0, "conv state stores copies of the inputs; a co
 # Router weights: float32 logits in every run dtype.
 ROUTER = {dtype: Tolerance(1e-6, 1e-5, "float32 sigmoid/softmax and a sum over top_k <= 16 values")
           for dtype in (F32, BF16, F16)}
+# Router choice: a provider computes the biased scores in float32 (the logits are float32 in every run dtype), one
+# rounding for the sigmoid / softmax and one for the bias sum, each <= half an ulp (2^-24 relative). Two experts whose
+# float64 choice scores at the top-k boundary differ by less than both errors together can come out in either order:
+# a tie, which either side may take (conformance/runner.py: `resolve_route_ties`). Four ulps leave room for a
+# provider's exp / division differing from torch's by an ulp; nothing wider counts as a tie.
+ROUTE_TIE_RTOL = 4 * 2.0 ** -23
 
 TOLERANCES: dict[tuple[str, str], dict[torch.dtype, Tolerance] | str] = {
     ("rms_norm", "out"): POINTWISE,

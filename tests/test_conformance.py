@@ -110,3 +110,56 @@ def test_a_long_memory_carry_that_drifts_fails_in_float32():
     drift._fn = drifting
     result = run(case, drift, torch.float32, CPU, SEED)
     assert result.status == "failed" and any(c.output == "state" and not c.passed for c in result.checks)
+
+
+def test_a_float32_tie_at_the_top_k_boundary_is_not_a_mismatch():
+    """Seed 18291667 (a CI run, 2026-11-30): token 903's 8th and 9th experts have float64 choice scores 9.2e-8 apart,
+    the same float32 value, and torch's float32 top-k took the 9th. That is a tie (conformance/tolerances.py,
+    ROUTE_TIE_RTOL): the runner checks the weights of the experts taken instead of failing the case."""
+    case = next(c for c in CASES if c.op == "moe_route" and c.label == "sigmoid-T1000-E256-k8")
+    result = run_case(case, _provider("torch.moe_route"), torch.float32, CPU, 18291667)
+    assert result.status == "passed", [c.detail for c in result.checks]
+
+
+def _probs_to_logits(rows: list[list[float]]) -> torch.Tensor:
+    p = torch.tensor(rows, dtype=torch.float64)
+    return torch.log(p / (1 - p))                                   # sigmoid(logits) == p
+
+
+def test_route_ties_resolve_only_within_float32_rounding():
+    """Token 0's 2nd and 3rd experts are 1e-8 apart (a tie: the provider's pick stands, with float64 weights for it);
+    token 1's are 0.1 apart (the provider's swap stays a mismatch)."""
+    from conformance.runner import named_outputs, resolve_route_ties
+    from kernels.torch.moe import moe_route, route_scores, route_weights
+    oracle_in = dict(logits=_probs_to_logits([[0.9, 0.7, 0.7 - 1e-8, 0.2, 0.1], [0.9, 0.7, 0.6, 0.2, 0.1]]),
+                     correction_bias=torch.zeros(5, dtype=torch.float64), top_k=2, scoring="sigmoid",
+                     renormalize=True, routed_scaling_factor=2.5)
+    oracle = named_outputs("moe_route", moe_route(**oracle_in))
+    assert oracle["expert_ids"].tolist() == [[0, 1], [0, 1]]
+    got = {"expert_ids": torch.tensor([[0, 2], [0, 2]]), "weights": torch.zeros(2, 2)}
+    resolved = resolve_route_ties(got, oracle, oracle_in)
+    assert resolved["expert_ids"].tolist() == [[0, 2], [0, 1]]
+    scores, _ = route_scores(oracle_in["logits"], oracle_in["correction_bias"], "sigmoid")
+    torch.testing.assert_close(resolved["weights"][0], route_weights(scores[:1], torch.tensor([[0, 2]]), True, 2.5)[0])
+    torch.testing.assert_close(resolved["weights"][1], oracle["weights"][1])
+
+
+def test_a_router_that_swaps_a_clear_winner_still_fails():
+    """The tie rule must not hide a wrong top-k: a provider that, for one token, takes the 9th expert instead of
+    the 8th where they are not tied fails the case."""
+    from k3core.backend import Provider
+    from kernels.torch.moe import moe_route
+    case = next(c for c in CASES if c.op == "moe_route" and c.label == "sigmoid-T1000-E256-k8")
+
+    def swaps_token_0(logits, correction_bias, top_k, scoring, renormalize, routed_scaling_factor):
+        out = moe_route(logits, correction_bias, top_k + 1, scoring, renormalize, routed_scaling_factor)
+        ids = out.expert_ids[:, :top_k].clone()
+        ids[0, -1] = out.expert_ids[0, top_k]                       # the 9th instead of the 8th, token 0 only
+        return moe_route(logits, correction_bias, top_k, scoring, renormalize, routed_scaling_factor)._replace(
+            expert_ids=ids)
+
+    wrong = Provider("moe_route", "test.swaps", "torch", 0, "kernels.torch.moe:moe_route")
+    wrong._fn = swaps_token_0
+    result = run_case(case, wrong, torch.float32, CPU, SEED)
+    assert result.status == "failed"
+    assert any(c.output == "expert_ids" and not c.passed for c in result.checks)

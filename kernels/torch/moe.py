@@ -21,6 +21,15 @@ def moe_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k:
     """
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"moe_route: top_k={top_k} must be between 1 and the number of experts {logits.shape[-1]}")
+    scores, choice = route_scores(logits, correction_bias, scoring)
+    expert_ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices       # [T, top_k]
+    return RouteOut(route_weights(scores, expert_ids, renormalize, routed_scaling_factor), expert_ids)
+
+
+def route_scores(logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                 scoring: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, choice) [T, E]: the sigmoid or softmax of the logits, and the scores plus the bias, which choose
+    the experts; float32 (float64 for float64 logits)."""
     dtype = float32_unless_float64(logits.dtype)
     logits = logits.to(dtype)
     if scoring == "sigmoid":
@@ -30,11 +39,16 @@ def moe_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k:
     else:
         raise ValueError(f"moe_route: unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
     choice = scores if correction_bias is None else scores + correction_bias.to(device=scores.device, dtype=dtype)
-    expert_ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices       # [T, top_k]
+    return scores, choice
+
+
+def route_weights(scores: torch.Tensor, expert_ids: torch.Tensor, renormalize: bool,
+                  routed_scaling_factor: float) -> torch.Tensor:
+    """The weights of the chosen experts [T, k]: their scores, renormalized (sum + 1e-20) if asked, scaled."""
     weights = scores.gather(1, expert_ids)                                     # [T, top_k]
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
-    return RouteOut(weights * routed_scaling_factor, expert_ids)
+    return weights * routed_scaling_factor
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
