@@ -102,9 +102,10 @@ def resolve_route_ties(got: dict[str, torch.Tensor], oracle: dict[str, torch.Ten
     boundary = choice.topk(top_k, dim=-1).values[:, -1]                        # [T] the k-th choice score
     ids, weights = want_ids.clone(), oracle["weights"].clone()
     for t in differ:
-        if len(set(got_ids[t].tolist())) != top_k or not all(0 <= e < choice.shape[-1] for e in got_ids[t].tolist()):
-            continue                                                           # not a valid choice at all
-        swapped = torch.tensor(sorted(set(got_ids[t].tolist()) ^ set(want_ids[t].tolist())))
+        chosen = set(got_ids[t].tolist())
+        if len(chosen) != top_k or not chosen <= set(range(choice.shape[-1])):
+            continue                                                           # repeated or unknown experts
+        swapped = torch.tensor(sorted(chosen ^ set(want_ids[t].tolist())))
         if bool(((choice[t, swapped] - boundary[t]).abs() <= ROUTE_TIE_RTOL * boundary[t].abs()).all()):
             ids[t] = got_ids[t]
             weights[t] = route_weights(scores[t:t + 1], got_ids[t:t + 1], oracle_in["renormalize"],

@@ -142,11 +142,15 @@ def test_route_ties_resolve_only_within_float32_rounding():
     scores, _ = route_scores(oracle_in["logits"], oracle_in["correction_bias"], "sigmoid")
     torch.testing.assert_close(resolved["weights"][0], route_weights(scores[:1], torch.tensor([[0, 2]]), True, 2.5)[0])
     torch.testing.assert_close(resolved["weights"][1], oracle["weights"][1])
+    # a repeated expert is never a tie resolution, even when the one it repeats sits at the boundary
+    repeated = resolve_route_ties({"expert_ids": torch.tensor([[0, 0], [0, 1]]), "weights": torch.zeros(2, 2)},
+                                  oracle, oracle_in)
+    assert repeated["expert_ids"].tolist() == [[0, 1], [0, 1]]
 
 
 def test_a_router_that_swaps_a_clear_winner_still_fails():
     """The tie rule must not hide a wrong top-k: a provider that, for one token, takes the 9th expert instead of
-    the 8th where they are not tied fails the case."""
+    the 1st (never a tie: the 1st and the 9th sit on either side of the whole top-8) fails the case."""
     from k3core.backend import Provider
     from kernels.torch.moe import moe_route
     case = next(c for c in CASES if c.op == "moe_route" and c.label == "sigmoid-T1000-E256-k8")
@@ -154,7 +158,7 @@ def test_a_router_that_swaps_a_clear_winner_still_fails():
     def swaps_token_0(logits, correction_bias, top_k, scoring, renormalize, routed_scaling_factor):
         out = moe_route(logits, correction_bias, top_k + 1, scoring, renormalize, routed_scaling_factor)
         ids = out.expert_ids[:, :top_k].clone()
-        ids[0, -1] = out.expert_ids[0, top_k]                       # the 9th instead of the 8th, token 0 only
+        ids[0, 0] = out.expert_ids[0, top_k]                        # the 9th instead of the 1st, token 0 only
         return moe_route(logits, correction_bias, top_k, scoring, renormalize, routed_scaling_factor)._replace(
             expert_ids=ids)
 
