@@ -55,7 +55,7 @@ GATE_UP_TOL, DOWN_TOL = BF16_OUTPUT_TOL, FP32_STATE_TOL
 OUTPUT_TOL = 2e-2    # whole op: the bf16 hidden may round differently from the reference's, then the output rounds
 RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernels, so they mostly just time
 
-BLOCK_MS = (16, 32, 64, 128)
+BLOCK_MS = (16, 32, 64, 128, 192)                 # 192 only as three 64-row sub-blocks
 # (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc, fused_gate_up): GemmConfig's fields, most
 # plausible first (a budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch
 # sweep at 1f768cd had them ahead at block_m 128 (bench/README.md). The fused gate/up tiles (gate/up only) next:
@@ -71,7 +71,16 @@ TILES = ((64, 64, 4, 3, 2, True, False), (64, 64, 4, 3, 2, True, True), (128, 64
          (256, 64, 8, 3, 1, False, False), (256, 64, 8, 3, 1, True, False), (128, 64, 8, 3, 1, True, False),
          (128, 64, 8, 3, 1, False, False), (128, 64, 4, 3, 1, False, False), (128, 64, 4, 4, 1, False, False),
          (64, 64, 4, 4, 1, False, False), (64, 128, 4, 3, 1, False, False), (128, 128, 8, 3, 1, False, False),
-         (128, 32, 4, 5, 1, False, False))
+         (128, 32, 4, 5, 1, False, False),
+         # three 64-row sub-blocks (block_m 192; tenth session): ~146 rows per expert at K3 prefill fit one row block,
+         # so each expert's weights are read once per column block where 128-row blocks read them twice, at the MMA
+         # cost of the 192 rows the two-half 128-row blocks compute. Gate/up fused, then down tiles.
+         (64, 64, 8, 3, 3, True, True), (64, 64, 16, 3, 3, True, True), (128, 64, 16, 3, 3, True, True),
+         (64, 64, 8, 4, 3, True, True), (128, 64, 8, 3, 3, True, False), (128, 64, 16, 3, 3, True, False),
+         (256, 64, 16, 3, 3, True, False), (128, 64, 8, 4, 3, True, False), (64, 64, 8, 3, 3, True, False),
+         (128, 64, 16, 4, 3, True, True), (128, 32, 16, 4, 3, True, True), (128, 64, 16, 2, 3, True, True),
+         (128, 32, 16, 3, 3, True, True), (256, 64, 16, 4, 3, True, False), (256, 32, 16, 4, 3, True, False),
+         (256, 64, 16, 2, 3, True, False), (256, 32, 16, 3, 3, True, False))
 WIDE_TILES = tuple(itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5), (1, 2), (False, True),
                                      (False, True)))
 SMOKE_BLOCK_MS = (16, 32)
@@ -113,7 +122,11 @@ def _tile(config) -> tuple:
 
 def _sub_block_reason(block_m: int, tile: tuple) -> str:
     rows = block_m // tile[4]                                     # tile[4]: sub_blocks
-    return f"sub-blocks of {rows} rows (the dot's smallest tile is 16)" if rows < 16 else ""
+    if rows < 16:
+        return f"sub-blocks of {rows} rows (the dot's smallest tile is 16)"
+    if block_m % tile[4] or rows & (rows - 1):
+        return f"{block_m} rows do not split into {tile[4]} sub-blocks of a power of two"
+    return ""
 
 
 def fits(gemm: str, block_m: int, tile: tuple, shared_bytes: int, element_size: int) -> str:
@@ -410,8 +423,9 @@ def run(argv: list[str] | None = None) -> list[ShapeResult]:
             block_ms = tuple(int(v) for v in args.block_ms.split(",") if v.strip())
         except ValueError:
             raise SystemExit(f"--block-ms takes comma-separated integers, got {args.block_ms!r}") from None
-        if not block_ms or any(b < 16 or b & (b - 1) for b in block_ms):
-            raise SystemExit(f"--block-ms: powers of two >= 16 (the dot's smallest row tile), got {args.block_ms!r}")
+        if not block_ms or any(b < 16 or b % 16 for b in block_ms):
+            raise SystemExit(f"--block-ms: multiples of 16 (the dot's smallest row tile; a tile's sub-blocks must "
+                             f"split them into powers of two), got {args.block_ms!r}")
     out_dir = results_dir(args.out)
     env = environment(ctx.device, args.smoke)
     print(f"k3core MoE GEMM sweep: {env['device']}, torch {env['torch']}, triton {env['triton']}, "

@@ -281,6 +281,55 @@ def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, 
           what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc} fused_gate_up={fused_gate_up}")
 
 
+def _three_sub_block_routing(block_m):
+    """166 pairs over 4 experts of 10, 68, 40 and 48 rows: with block_m = 48 (three sub-blocks of 16) their last
+    blocks use 1, 2, 3 and 3 sub-blocks, and expert 1 also fills a whole block. Token t takes the sorted multiset's
+    entries t and t + 83, never the same expert twice (none has more than 83 rows)."""
+    counts = [10, 68, 40, 48]
+    flat = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))                # [166], sorted
+    expert_ids = torch.stack([flat[:83], flat[83:]], dim=1)                               # [83, 2]
+    assert (expert_ids[:, 0] != expert_ids[:, 1]).all()
+    used = {-(-((c - 1) % block_m + 1) // (block_m // 3)) for c in counts}               # sub-blocks of last blocks
+    assert used == {1, 2, 3}, used
+    return expert_ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("fused_gate_up", [False, True])
+@pytest.mark.parametrize("weight_desc", [False, True])
+def test_moe_experts_three_sub_blocks(monkeypatch, weight_desc, fused_gate_up):
+    """Row blocks of three sub-blocks sharing each weight tile (block_m 192 = 3 x 64 at K3 prefill; 48 = 3 x 16 here),
+    with blocks that use one, two and all three: the whole op against float64. The trailing sub-blocks of a block
+    are padding and must be neither computed into a routed row nor left unwritten where a pair sits (NaN-poisoned
+    outputs). I = 24 with 16-wide columns and D = 40 end in partial tiles."""
+    hidden, inter, top_k, experts, block_m = 40, 24, 2, 4, 48
+    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, sub_blocks=3,
+                                 weight_desc=weight_desc)
+    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
+        block_m=block_m, gate_up=tile._replace(fused_gate_up=fused_gate_up), down=tile))
+    expert_ids = _three_sub_block_routing(block_m)
+    num_tokens = expert_ids.shape[0]
+    x = randn(num_tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
+    weights = torch.rand(num_tokens, top_k, device=DEVICE)
+    with nan_poisoned_allocations():
+        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
+    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
+    check(out, expected, atol=2e-5, rtol=1e-5,
+          what=f"moe_experts sub_blocks=3 weight_desc={weight_desc} fused_gate_up={fused_gate_up}")
+
+
+@pytest.mark.parametrize("block_m,sub_blocks", [(48, 2), (96, 4), (32, 3), (192, 2)])
+def test_moe_sub_blocks_must_split_into_powers_of_two(block_m, sub_blocks):
+    """A sub-block is a tl.arange of rows: 48 / 2 = 24 and 192 / 2 = 96 rows are not powers of two, 32 / 3 does not
+    divide, and four sub-blocks are not written; each is refused with the rule, not compiled into garbage."""
+    x, w13 = randn(9, 48), randn(4, 48, 48, scale=48 ** -0.5)
+    blocks = moe_experts.group_pairs_by_expert(torch.zeros(9, 1, dtype=torch.long, device=DEVICE), 0, 4, block_m)
+    tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks)
+    with pytest.raises(ValueError, match="sub_blocks must be 1, 2 or 3"):
+        moe_experts.gate_up(x, w13, blocks, 1, "silu", None, None, block_m, tile)
+
+
 @pytest.mark.parametrize("activation_name,beta,linear_beta", [("silu", None, None), ("situ", 4.0, 25.0)])
 @pytest.mark.parametrize("sub_blocks,weight_desc", [(1, False), (2, False), (1, True), (2, True)])
 @pytest.mark.parametrize("hidden,inter,block_n", [(48, 24, 16), (40, 40, 32)])

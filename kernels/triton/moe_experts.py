@@ -49,14 +49,25 @@ def _weight_tile(w, expert, row_stride_or_rows, expert_stride, row0, cols, col_m
 
 
 @triton.jit
-def _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
-                      SUB_BLOCKS: tl.constexpr):
-    """Whether a two-half block's second half holds any pair: padding sits at the end of an expert's rows, so it
-    does iff its first row is a pair (always False with one sub-block)."""
-    used = False
-    if SUB_BLOCKS == 2:
-        used = tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs
+def _sub_blocks_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
+                     SUB_BLOCKS: tl.constexpr):
+    """How many of the block's sub-blocks hold a pair (1 to SUB_BLOCKS): padding sits at the end of an expert's
+    rows, so sub-block s is used iff its first row is a pair, and the used ones come first."""
+    used = 1
+    if SUB_BLOCKS >= 2:
+        used += (tl.load(sorted_pairs_ptr + block * BLOCK_M + SUB) < num_pairs).to(tl.int32)
+    if SUB_BLOCKS >= 3:
+        used += (tl.load(sorted_pairs_ptr + block * BLOCK_M + 2 * SUB) < num_pairs).to(tl.int32)
     return used
+
+
+@triton.jit
+def _sub_block_rows(sorted_pairs_ptr, block, num_pairs, index: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SUB: tl.constexpr):
+    """Sorted positions [SUB] of sub-block `index` and the pair in each (num_pairs past the block: padding)."""
+    rows = block * BLOCK_M + index * SUB + tl.arange(0, SUB)
+    pairs = tl.load(sorted_pairs_ptr + rows, mask=rows < (block + 1) * BLOCK_M, other=num_pairs)
+    return rows, pairs
 
 
 @triton.jit
@@ -67,14 +78,17 @@ def _store_rows(out_ptr, rows, row_stride, row_mask, cols, col_mask, values):
 
 
 @triton.jit
-def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
-                        col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
-    """The K loop of gate/up for sub-block a (and b when TWO), both sharing each weight tile."""
+def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, x_rows_c, mask_c, w13, expert, w13_row_stride,
+                        w13_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USED: tl.constexpr, DESC: tl.constexpr):
+    """The K loop of gate/up for the first USED sub-blocks (a; b when USED >= 2; c when 3), all sharing each weight
+    tile."""
     acc_gate_a = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_up_a = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_gate_b = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_up_b = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_gate_c = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_up_c = tl.zeros((SUB, BLOCK_N), tl.float32)
     # a descriptor addresses W13 as [E * 2I, D] rows (stride argument = 2I); pointers as [E, 2I, D]
     rows_or_stride = 2 * inter_dim if DESC else w13_row_stride
     for k_start in range(0, hidden_dim, BLOCK_K):
@@ -87,11 +101,15 @@ def _gate_up_accumulate(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row
         x_a = tl.load(x_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
         acc_gate_a = tl.dot(x_a, gate_tile, acc_gate_a, input_precision="ieee")
         acc_up_a = tl.dot(x_a, up_tile, acc_up_a, input_precision="ieee")
-        if TWO:
+        if USED >= 2:
             x_b = tl.load(x_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
             acc_gate_b = tl.dot(x_b, gate_tile, acc_gate_b, input_precision="ieee")
             acc_up_b = tl.dot(x_b, up_tile, acc_up_b, input_precision="ieee")
-    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+        if USED >= 3:
+            x_c = tl.load(x_rows_c + ks[None, :], mask=mask_c[:, None] & k_mask[None, :], other=0.0)
+            acc_gate_c = tl.dot(x_c, gate_tile, acc_gate_c, input_precision="ieee")
+            acc_up_c = tl.dot(x_c, up_tile, acc_up_c, input_precision="ieee")
+    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b, acc_gate_c, acc_up_c
 
 
 @triton.jit
@@ -122,14 +140,15 @@ def _split_gate_up(acc, SUB: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_accumulate_fused(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride,
-                              col0, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
+def _gate_up_accumulate_fused(x_rows_a, mask_a, x_rows_b, mask_b, x_rows_c, mask_c, w13, expert, w13_row_stride,
+                              w13_expert_stride, col0, hidden_dim, inter_dim, SUB: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USED: tl.constexpr, DESC: tl.constexpr):
     """The K loop of gate/up as one dot per sub-block and K step over gate and up columns together
     (`GemmConfig.fused_gate_up`): the x tile feeds one MMA of 2 * BLOCK_N columns instead of two of BLOCK_N.
-    Returns the same four [SUB, BLOCK_N] products as `_gate_up_accumulate`."""
+    Returns the same six [SUB, BLOCK_N] products as `_gate_up_accumulate`."""
     acc_a = tl.zeros((SUB, 2 * BLOCK_N), tl.float32)
     acc_b = tl.zeros((SUB, 2 * BLOCK_N), tl.float32)
+    acc_c = tl.zeros((SUB, 2 * BLOCK_N), tl.float32)
     for k_start in range(0, hidden_dim, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < hidden_dim
@@ -137,29 +156,52 @@ def _gate_up_accumulate_fused(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w
                                       k_mask, BLOCK_N, BLOCK_K, DESC)             # [BLOCK_K, 2 * BLOCK_N]
         x_a = tl.load(x_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
         acc_a = tl.dot(x_a, w_tile, acc_a, input_precision="ieee")
-        if TWO:
+        if USED >= 2:
             x_b = tl.load(x_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
             acc_b = tl.dot(x_b, w_tile, acc_b, input_precision="ieee")
+        if USED >= 3:
+            x_c = tl.load(x_rows_c + ks[None, :], mask=mask_c[:, None] & k_mask[None, :], other=0.0)
+            acc_c = tl.dot(x_c, w_tile, acc_c, input_precision="ieee")
     acc_gate_a, acc_up_a = _split_gate_up(acc_a, SUB, BLOCK_N)
     acc_gate_b, acc_up_b = _split_gate_up(acc_b, SUB, BLOCK_N)
-    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+    acc_gate_c, acc_up_c = _split_gate_up(acc_c, SUB, BLOCK_N)
+    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b, acc_gate_c, acc_up_c
 
 
 @triton.jit
-def _gate_up_products(x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0,
-                      cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr, FUSED: tl.constexpr):
-    """gate and up [SUB, BLOCK_N] of sub-block a (and b when TWO), by two dots per K step or one fused dot
-    (FUSED, `GemmConfig.fused_gate_up`)."""
+def _gate_up_rows(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block, expert, num_pairs, x_row_stride,
+                  w13_expert_stride, w13_row_stride, hidden_row_stride, hidden_dim, inter_dim, beta, linear_beta,
+                  TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  USED: tl.constexpr, DESC: tl.constexpr, FUSED: tl.constexpr):
+    """gate/up of the first USED sub-blocks of one row block for one column block: the products (two dots per K
+    step, or one fused dot: `GemmConfig.fused_gate_up`), the GLU in float32, the stores."""
+    rows_a, pairs_a = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 0, BLOCK_M, SUB)
+    rows_b, pairs_b = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 1, BLOCK_M, SUB)
+    rows_c, pairs_c = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 2, BLOCK_M, SUB)
+    mask_a, mask_b, mask_c = pairs_a < num_pairs, pairs_b < num_pairs, pairs_c < num_pairs
+    x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
+    x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
+    x_rows_c = x_ptr + (pairs_c // TOP_K)[:, None] * x_row_stride
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of I
+    col_mask = cols < inter_dim
     if FUSED:
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate_fused(
-            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, hidden_dim,
-            inter_dim, SUB, BLOCK_N, BLOCK_K, TWO, DESC)
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b, acc_gate_c, acc_up_c = _gate_up_accumulate_fused(
+            x_rows_a, mask_a, x_rows_b, mask_b, x_rows_c, mask_c, w13, expert, w13_row_stride, w13_expert_stride,
+            col0, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, USED, DESC)
     else:
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_accumulate(
-            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
-            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, TWO, DESC)
-    return acc_gate_a, acc_up_a, acc_gate_b, acc_up_b
+        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b, acc_gate_c, acc_up_c = _gate_up_accumulate(
+            x_rows_a, mask_a, x_rows_b, mask_b, x_rows_c, mask_c, w13, expert, w13_row_stride, w13_expert_stride,
+            col0, cols, col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, USED, DESC)
+    if USED >= 3:
+        hidden_c = glu_f32(acc_gate_c, acc_up_c, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+        _store_rows(hidden_ptr, rows_c, hidden_row_stride, mask_c, cols, col_mask, hidden_c)
+    if USED >= 2:
+        hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+        _store_rows(hidden_ptr, rows_b, hidden_row_stride, mask_b, cols, col_mask, hidden_b)
+    hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    _store_rows(hidden_ptr, rows_a, hidden_row_stride, mask_a, cols, col_mask, hidden_a)
 
 
 @triton.jit
@@ -169,44 +211,43 @@ def _gate_up_kernel(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                     TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr, FUSED: tl.constexpr):
-    """One (row block, column block of I). With SUB_BLOCKS = 2 the row block is two halves that share each
-    weight tile, the second skipped when it holds only padding (see `GemmConfig.sub_blocks`)."""
+    """One (row block, column block of I). With SUB_BLOCKS = 2 or 3 the row block is that many sub-blocks that
+    share each weight tile, the trailing ones skipped when they hold only padding (see `GemmConfig.sub_blocks`).
+    Each count of used sub-blocks is its own K loop, compiled only up to SUB_BLOCKS (a loop over three
+    accumulators would set the registers of every program)."""
     SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    rows_a = block * BLOCK_M + tl.arange(0, SUB)                                 # sorted positions
-    pairs_a = tl.load(sorted_pairs_ptr + rows_a)                                 # [SUB]
-    mask_a = pairs_a < num_pairs
-    rows_b = rows_a + SUB                             # the second half; past the block (masked) when SUB_BLOCKS = 1
-    pairs_b = tl.load(sorted_pairs_ptr + rows_b, mask=rows_b < (block + 1) * BLOCK_M, other=num_pairs)
-    mask_b = pairs_b < num_pairs
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of I
-    col_mask = cols < inter_dim
-    x_rows_a = x_ptr + (pairs_a // TOP_K)[:, None] * x_row_stride
-    x_rows_b = x_ptr + (pairs_b // TOP_K)[:, None] * x_row_stride
-    if _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS):
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_products(
-            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
-            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, True, DESC, FUSED)
-        hidden_b = glu_f32(acc_gate_b, acc_up_b, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-        _store_rows(hidden_ptr, rows_b, hidden_row_stride, mask_b, cols, col_mask, hidden_b)
-    else:
-        acc_gate_a, acc_up_a, acc_gate_b, acc_up_b = _gate_up_products(
-            x_rows_a, mask_a, x_rows_b, mask_b, w13, expert, w13_row_stride, w13_expert_stride, col0, cols,
-            col_mask, hidden_dim, inter_dim, SUB, BLOCK_N, BLOCK_K, False, DESC, FUSED)
-    hidden_a = glu_f32(acc_gate_a, acc_up_a, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    _store_rows(hidden_ptr, rows_a, hidden_row_stride, mask_a, cols, col_mask, hidden_a)
+    used = _sub_blocks_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS)
+    # static ifs on SUB_BLOCKS around the runtime ones on `used`: no form is compiled beyond SUB_BLOCKS
+    if SUB_BLOCKS == 3:
+        if used == 3:
+            _gate_up_rows(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block, expert, num_pairs, x_row_stride,
+                          w13_expert_stride, w13_row_stride, hidden_row_stride, hidden_dim, inter_dim, beta,
+                          linear_beta, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M, SUB, BLOCK_N, BLOCK_K, 3, DESC,
+                          FUSED)
+            return
+    if SUB_BLOCKS >= 2:
+        if used == 2:
+            _gate_up_rows(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block, expert, num_pairs, x_row_stride,
+                          w13_expert_stride, w13_row_stride, hidden_row_stride, hidden_dim, inter_dim, beta,
+                          linear_beta, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M, SUB, BLOCK_N, BLOCK_K, 2, DESC,
+                          FUSED)
+            return
+    _gate_up_rows(x_ptr, w13, hidden_ptr, sorted_pairs_ptr, block, expert, num_pairs, x_row_stride,
+                  w13_expert_stride, w13_row_stride, hidden_row_stride, hidden_dim, inter_dim, beta, linear_beta,
+                  TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M, SUB, BLOCK_N, BLOCK_K, 1, DESC, FUSED)
 
 
 @triton.jit
-def _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride, w2_expert_stride, col0, cols,
-                     col_mask, hidden_dim, inter_dim, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, TWO: tl.constexpr, DESC: tl.constexpr):
+def _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, h_rows_c, mask_c, w2, expert, w2_row_stride,
+                     w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USED: tl.constexpr, DESC: tl.constexpr):
     acc_a = tl.zeros((SUB, BLOCK_N), tl.float32)
     acc_b = tl.zeros((SUB, BLOCK_N), tl.float32)
+    acc_c = tl.zeros((SUB, BLOCK_N), tl.float32)
     rows_or_stride = hidden_dim if DESC else w2_row_stride                      # descriptor: W2 as [E * D, I]
     for k_start in range(0, inter_dim, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
@@ -215,10 +256,39 @@ def _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stri
                               k_mask, DESC)                                       # [BLOCK_K, BLOCK_N]
         h_a = tl.load(h_rows_a + ks[None, :], mask=mask_a[:, None] & k_mask[None, :], other=0.0)   # [SUB, BLOCK_K]
         acc_a = tl.dot(h_a, w_tile, acc_a, input_precision="ieee")
-        if TWO:
+        if USED >= 2:
             h_b = tl.load(h_rows_b + ks[None, :], mask=mask_b[:, None] & k_mask[None, :], other=0.0)
             acc_b = tl.dot(h_b, w_tile, acc_b, input_precision="ieee")
-    return acc_a, acc_b
+        if USED >= 3:
+            h_c = tl.load(h_rows_c + ks[None, :], mask=mask_c[:, None] & k_mask[None, :], other=0.0)
+            acc_c = tl.dot(h_c, w_tile, acc_c, input_precision="ieee")
+    return acc_a, acc_b, acc_c
+
+
+@triton.jit
+def _down_rows(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block, expert, num_pairs, hidden_row_stride,
+               w2_expert_stride, w2_row_stride, rows_out_row_stride, hidden_dim, inter_dim,
+               BLOCK_M: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USED: tl.constexpr, DESC: tl.constexpr):
+    """The W2 GEMM of the first USED sub-blocks of one row block for one column block of D, stored in float32."""
+    rows_a, pairs_a = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 0, BLOCK_M, SUB)
+    rows_b, pairs_b = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 1, BLOCK_M, SUB)
+    rows_c, pairs_c = _sub_block_rows(sorted_pairs_ptr, block, num_pairs, 2, BLOCK_M, SUB)
+    mask_a, mask_b, mask_c = pairs_a < num_pairs, pairs_b < num_pairs, pairs_c < num_pairs
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of D
+    col_mask = cols < hidden_dim
+    h_rows_a = hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride
+    h_rows_b = hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride
+    h_rows_c = hidden_ptr + rows_c[:, None].to(tl.int64) * hidden_row_stride
+    acc_a, acc_b, acc_c = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, h_rows_c, mask_c, w2, expert,
+                                           w2_row_stride, w2_expert_stride, col0, cols, col_mask, hidden_dim,
+                                           inter_dim, SUB, BLOCK_N, BLOCK_K, USED, DESC)
+    if USED >= 3:
+        _store_rows(rows_out_ptr, rows_c, rows_out_row_stride, mask_c, cols, col_mask, acc_c)
+    if USED >= 2:
+        _store_rows(rows_out_ptr, rows_b, rows_out_row_stride, mask_b, cols, col_mask, acc_b)
+    _store_rows(rows_out_ptr, rows_a, rows_out_row_stride, mask_a, cols, col_mask, acc_a)
 
 
 @triton.jit
@@ -227,30 +297,28 @@ def _down_kernel(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block_experts_p
                  num_pairs, num_experts, hidden_dim, inter_dim,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SUB_BLOCKS: tl.constexpr, DESC: tl.constexpr):
+    """One (row block, column block of D); sub-blocks as in `_gate_up_kernel`."""
     SUB: tl.constexpr = BLOCK_M // SUB_BLOCKS
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    rows_a = block * BLOCK_M + tl.arange(0, SUB)
-    mask_a = tl.load(sorted_pairs_ptr + rows_a) < num_pairs                     # [SUB]
-    rows_b = rows_a + SUB
-    mask_b = tl.load(sorted_pairs_ptr + rows_b, mask=rows_b < (block + 1) * BLOCK_M, other=num_pairs) < num_pairs
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)                                          # [BLOCK_N] of D
-    col_mask = cols < hidden_dim
-    h_rows_a = hidden_ptr + rows_a[:, None].to(tl.int64) * hidden_row_stride
-    h_rows_b = hidden_ptr + rows_b[:, None].to(tl.int64) * hidden_row_stride
-    if _second_half_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS):
-        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
-                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
-                                        BLOCK_N, BLOCK_K, True, DESC)
-        _store_rows(rows_out_ptr, rows_b, rows_out_row_stride, mask_b, cols, col_mask, acc_b)
-    else:
-        acc_a, acc_b = _down_accumulate(h_rows_a, mask_a, h_rows_b, mask_b, w2, expert, w2_row_stride,
-                                        w2_expert_stride, col0, cols, col_mask, hidden_dim, inter_dim, SUB,
-                                        BLOCK_N, BLOCK_K, False, DESC)
-    _store_rows(rows_out_ptr, rows_a, rows_out_row_stride, mask_a, cols, col_mask, acc_a)
+    used = _sub_blocks_used(sorted_pairs_ptr, block, num_pairs, BLOCK_M, SUB, SUB_BLOCKS)
+    if SUB_BLOCKS == 3:
+        if used == 3:
+            _down_rows(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block, expert, num_pairs, hidden_row_stride,
+                       w2_expert_stride, w2_row_stride, rows_out_row_stride, hidden_dim, inter_dim, BLOCK_M, SUB,
+                       BLOCK_N, BLOCK_K, 3, DESC)
+            return
+    if SUB_BLOCKS >= 2:
+        if used == 2:
+            _down_rows(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block, expert, num_pairs, hidden_row_stride,
+                       w2_expert_stride, w2_row_stride, rows_out_row_stride, hidden_dim, inter_dim, BLOCK_M, SUB,
+                       BLOCK_N, BLOCK_K, 2, DESC)
+            return
+    _down_rows(hidden_ptr, w2, rows_out_ptr, sorted_pairs_ptr, block, expert, num_pairs, hidden_row_stride,
+               w2_expert_stride, w2_row_stride, rows_out_row_stride, hidden_dim, inter_dim, BLOCK_M, SUB, BLOCK_N,
+               BLOCK_K, 1, DESC)
 
 
 @triton.jit
@@ -309,9 +377,11 @@ def weight_desc_unavailable(device: torch.device, *weights: torch.Tensor) -> str
 
 
 def _check_tile(tile: GemmConfig, block_m: int, what: str) -> None:
-    if tile.sub_blocks not in (1, 2) or block_m % tile.sub_blocks or block_m // tile.sub_blocks < 16:
-        raise ValueError(f"moe_experts {what}: sub_blocks must be 1 or 2 and leave sub-blocks of >= 16 rows "
-                         f"(the dot's smallest tile); got sub_blocks={tile.sub_blocks} with block_m={block_m}")
+    sub = block_m // tile.sub_blocks
+    if tile.sub_blocks not in (1, 2, 3) or block_m % tile.sub_blocks or sub < 16 or sub & (sub - 1):
+        raise ValueError(f"moe_experts {what}: sub_blocks must be 1, 2 or 3 and split block_m into sub-blocks of a "
+                         f"power of two >= 16 rows (the dot's smallest tile); got sub_blocks={tile.sub_blocks} with "
+                         f"block_m={block_m}")
     if tile.fused_gate_up and what != "gate_up":
         raise ValueError(f"moe_experts {what}: fused_gate_up joins the gate and up weight operands of the gate/up "
                          f"GEMM; the {what} GEMM has one weight operand, so its tile must leave it False")

@@ -187,10 +187,11 @@ class GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    # 2: the program's block_m rows are two halves that share each weight tile, the second skipped when it holds
-    # only padding. A 128-row block then reads an expert's weights once per 128 rows at the MMA cost of 64-row
-    # blocks (about 146 rows per expert at K3 prefill: two weight passes and three 64-row products, where 64-row
-    # blocks take three passes and 128-row blocks compute 256 rows).
+    # 2 or 3: the program's block_m rows are that many sub-blocks (each a power of two of >= 16 rows) that share
+    # each weight tile, the trailing ones skipped when they hold only padding. About 146 rows per expert at K3
+    # prefill: 128-row blocks in two halves take two weight passes and three 64-row products (64-row blocks take
+    # three passes, 128-row blocks without halves compute 256 rows); 192-row blocks in three take one pass and the
+    # same three products.
     sub_blocks: int = 1
     # weight tiles through a tensor descriptor (the TMA copy engine, NVIDIA sm90+) instead of pointer tiles
     weight_desc: bool = False
@@ -224,10 +225,15 @@ _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     # 3.42 ms for the pair at 1024 tokens x top-16 against 3.88 for the 64-row pointer tiles before (1.14x);
     # torch._grouped_mm's pair 2.91 ms in the same run. tune_moe-fused-nvidia-h200.md (76b3590 + the fused form):
     # gate/up as one dot over 128 gate + 128 up columns on 8 warps, 2.06 ms against 2.16 for two dots of 64 on 4
-    # (pair 3.27 ms, grouped_mm 2.93); the down tile kept (its sub-block choice flips between runs by ~2%)
-    "rows 2049+": MoeGemmConfig(block_m=128, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3,
-                                                                sub_blocks=2, weight_desc=True, fused_gate_up=True),
-                                down=GemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3, weight_desc=True)),
+    # (pair 3.27 ms, grouped_mm 2.93); the down tile kept (its sub-block choice flips between runs by ~2%).
+    # tune_moe-sub3-nvidia-h200.md (tenth session, two runs on two machines): 192-row blocks as three 64-row
+    # sub-blocks on 16 warps, so that an expert's ~146 rows read its weights once per column block: gate/up 1.92 /
+    # 2.02 ms against 2.19 / 2.25 for the 128-row tile above, down level (1.22 / 1.21 against 1.18 / 1.23); the
+    # pair 1.07x / 1.08x faster, torch._grouped_mm's still 0.89x / 0.91x of ours
+    "rows 2049+": MoeGemmConfig(block_m=192, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=16, num_stages=3,
+                                                                sub_blocks=3, weight_desc=True, fused_gate_up=True),
+                                down=GemmConfig(block_n=256, block_k=64, num_warps=16, num_stages=4, sub_blocks=3,
+                                                weight_desc=True)),
 }
 
 
