@@ -225,18 +225,6 @@ def kda_chunk_intra_two_block_kernel(
         w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, lower_bound,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
         BVF: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (chunk, head) of `two_block_chunk` (see there)."""
-    two_block_chunk(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr,
-                    chunk_start_ptr, chunk_len_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, lower_bound,
-                    H, K, V, BT, SUB, BK, BVF, FORM, PRECISION)
-
-
-@triton.jit
-def two_block_chunk(
-        i_chunk, i_h, q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, chunk_start_ptr, chunk_len_ptr,
-        w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, lower_bound,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr,
-        BVF: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr):
     """The same outputs as kda_chunk_intra_kernel for chunks of BT = 2 SUB tokens with the lower-bounded gate,
     computed on the two SUB-row halves of the chunk instead of masked BT-row tiles.
 
@@ -248,6 +236,8 @@ def two_block_chunk(
     the wrapper keeps <= exp(MAX_DENSE_EXPONENT). Every factor is an exp of a half tile (four of them), where the
     masked form takes seven of full tiles; the solve is two SUB x SUB inverses and T10 = -T11 A10 T00.
     """
+    i_chunk = tl.program_id(0)
+    i_h = tl.program_id(1)
     start = tl.load(chunk_start_ptr + i_chunk).to(tl.int64)
     length = tl.load(chunk_len_ptr + i_chunk)
     cols_k = tl.arange(0, BK)

@@ -17,38 +17,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _flag_index(i_chunk, end_chunk, i_h, H: tl.constexpr):
-    """The flag of (chunk, head), the chunk clamped into the sequence's chunks: past its end the last chunk's flag
-    (already waited for) stands in, so that a look-ahead never indexes outside the table."""
-    return tl.maximum(tl.minimum(i_chunk, end_chunk - 1), 0) * H + i_h
-
-
-@triton.jit
-def _read_flag(flag_ptr, index):
-    """One acquire read of a flag (an atomic add of 0 at GPU scope): the loads after it in program order see what
-    the intra program stored before it published the flag."""
-    return tl.atomic_add(flag_ptr + index, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _wait_for_flag(flag_ptr, index, seen, spins_left):
-    """`seen` is a read of flag `index` issued earlier; poll until it is set, spending at most spins_left polls (the
-    program's budget, so that a flag that never comes costs max_spins polls once, not once per chunk). Whether it
-    was set, and the budget left (a missing flag turns the chunk's values into NaN instead of hanging the GPU)."""
-    while (seen == 0) & (spins_left > 0):
-        seen = _read_flag(flag_ptr, index)
-        spins_left -= 1
-    return seen != 0, spins_left
-
-
-@triton.jit
 def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
                 chunk_start_ptr, chunk_len_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, AHEAD: tl.constexpr, published, CACHE: tl.constexpr):
+                BT: tl.constexpr, AHEAD: tl.constexpr):
     """Every input of one chunk's step: (start, length, W, Qg, Kd, U0, Aqk, exp(G_last)). AHEAD (the prefetching
-    loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0). With a
-    flag wait (`kda_chunk_fused`): CACHE ".cg" reads the workspace past L1 (written by other SMs during this
-    kernel), and an unpublished chunk gives NaN U0 and exp(G_last)."""
+    loop, which asks for the chunk after the last): a chunk at or past end_chunk loads nothing (length 0)."""
     if AHEAD:
         valid = i_chunk < end_chunk
         start = tl.load(chunk_start_ptr + i_chunk, mask=valid, other=0).to(tl.int64)
@@ -62,20 +35,15 @@ def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_
     mask_k = row_ok[:, None] & k_ok[None, :]
     mask_v = row_ok[:, None] & (cols_v < V)[None, :]
     offs_k = head_row[:, None] * K + cols_k[None, :]                        # [BT, BK]
-    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)              # [BT, BK]
-    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)
-    kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0, cache_modifier=CACHE)
-    u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0,
-                 cache_modifier=CACHE).to(tl.float32)
-    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0,
-                  cache_modifier=CACHE)
+    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0)                     # [BT, BK]
+    qg = tl.load(qg_ptr + offs_k, mask=mask_k, other=0.0)
+    kd = tl.load(kd_ptr + offs_k, mask=mask_k, other=0.0)
+    u0 = tl.load(u_ptr + head_row[:, None] * V + cols_v[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    aqk = tl.load(aqk_ptr + head_row[:, None] * BT + rows[None, :], mask=row_ok[:, None], other=0.0)
     if AHEAD:
-        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0,
-                        cache_modifier=CACHE)                                            # [BK]
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok & valid, other=0.0)  # [BK]
     else:
-        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0, cache_modifier=CACHE)
-    u0 = tl.where(published, u0, float("nan"))              # the outputs from this chunk on
-    decay = tl.where(published, decay, float("nan"))        # the state after it
+        decay = tl.load(decay_ptr + (i_chunk * H + i_h) * K + cols_k, mask=k_ok, other=0.0)
     return start, length, w, qg, kd, u0, aqk, decay
 
 
@@ -125,29 +93,12 @@ def kda_chunk_state_kernel(
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
         INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
-    """Program (value block, head, sequence) of `state_program` (see there), with no flags to wait for."""
-    state_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr,
-                  decay_ptr, o_ptr, state_ptr, state_stride, slot_ptr, has_init_ptr, cu_seqlens_ptr, seq_chunk_ptr,
-                  chunk_start_ptr, chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, chunk_len_ptr, 0,
-                  H, K, V, BT, BK, BV, CHECKPOINTS, INTERPRETED, PRECISION, PREFETCH, False)
-
-
-@triton.jit
-def state_program(
-        i_v, i_h, i_b, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, state_ptr, state_stride, slot_ptr,
-        has_init_ptr, cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr,
-        ckpt_interval, scale, flag_ptr, max_spins,
-        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
-        INTERPRETED: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
     """PREFETCH: each step first issues the loads of the next chunk (into registers, carried by the loop), so
     their latency overlaps this chunk's products; the chunk table lookup makes every load address depend on a
-    load, which the software pipeliner (num_stages) cannot run ahead on its own.
-
-    WAIT (with PREFETCH; `kda_chunk_fused`, where the intra pass runs in the same launch): a chunk's workspace is
-    read only after its flag (chunk * H + head) is seen set. The flag of chunk c + 2 is read while chunk c is
-    stepped and tested before chunk c + 2's loads are issued, one step later, so that a set flag costs no wait."""
-    tl.static_assert(PREFETCH or not WAIT, "the flag wait is written for the prefetching loop")
+    load, which the software pipeliner (num_stages) cannot run ahead on its own."""
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
     bos = tl.load(cu_seqlens_ptr + i_b)
     first_chunk = tl.load(seq_chunk_ptr + i_b)
     end_chunk = tl.load(seq_chunk_ptr + i_b + 1)
@@ -164,20 +115,10 @@ def state_program(
     h_offs = i_h * V * K + cols_v[None, :] * K + cols_k[:, None]                # [BK, BV]
     h = tl.load(state_ptr + slot * state_stride + h_offs, mask=mask_h & has_init, other=0.0)
 
-    ahead = 1                                   # WAIT: the read of the flag of the chunk after the next one
-    spins_left = max_spins                      # WAIT: polls left to this program
     if PREFETCH:
-        if WAIT:
-            index = _flag_index(first_chunk, end_chunk, i_h, H)
-            published, spins_left = _wait_for_flag(flag_ptr, index, _read_flag(flag_ptr, index), spins_left)
-            ahead = _read_flag(flag_ptr, _flag_index(first_chunk + 1, end_chunk, i_h, H))
-            start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
-                first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-                chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True, published, ".cg")
-        else:
-            start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
-                first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-                chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True, True, "")
+        start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
+            first_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:                       # placeholders of the loop-carried inputs: every iteration loads its own chunk
         DOT_DTYPE = w_ptr.dtype.element_ty
         start = first_chunk.to(tl.int64) * 0
@@ -193,49 +134,41 @@ def state_program(
     if INTERPRETED:
         i_chunk = first_chunk
         while i_chunk < end_chunk:
-            h, start, length, w, qg, kd, u0, aqk, decay, ahead, spins_left = _next_chunk(
+            h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
-                aqk, decay, ahead, spins_left, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr,
-                chunk_start_ptr, chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, flag_ptr,
-                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH, WAIT)
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
-            h, start, length, w, qg, kd, u0, aqk, decay, ahead, spins_left = _next_chunk(
+            h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
                 h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
-                aqk, decay, ahead, spins_left, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr,
-                chunk_start_ptr, chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, flag_ptr,
-                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH, WAIT)
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
 
 
 @triton.jit
 def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
-                aqk, decay, ahead, spins_left, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr,
-                chunk_start_ptr, chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale, flag_ptr,
+                aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
+                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
-                PRECISION: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr):
+                PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One loop iteration: step chunk i_chunk with its inputs (loaded one iteration earlier with PREFETCH, else
-    here) and return the new state with the inputs of chunk i_chunk + 1 (and, WAIT, the read of chunk i_chunk + 2's
-    flag)."""
+    here) and return the new state with the inputs of chunk i_chunk + 1."""
     if PREFETCH:
-        if WAIT:
-            index = _flag_index(i_chunk + 1, end_chunk, i_h, H)
-            published, spins_left = _wait_for_flag(flag_ptr, index, ahead, spins_left)
-            ahead = _read_flag(flag_ptr, _flag_index(i_chunk + 2, end_chunk, i_h, H))
-            nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
-                              aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True, published, ".cg")
-        else:
-            nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
-                              aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True, True, "")
+        nxt = _chunk_load(i_chunk + 1, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr,
+                          aqk_ptr, decay_ptr, chunk_start_ptr, chunk_len_ptr, H, K, V, BT, True)
     else:
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
-            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, False, True, "")
+            chunk_start_ptr, chunk_len_ptr, H, K, V, BT, False)
     h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
                     start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
                     H, K, V, BT, CHECKPOINTS, PRECISION)
     if PREFETCH:
         start, length, w, qg, kd, u0, aqk, decay = nxt
-    return h, start, length, w, qg, kd, u0, aqk, decay, ahead, spins_left
+    return h, start, length, w, qg, kd, u0, aqk, decay

@@ -15,7 +15,6 @@ import triton
 
 from k3core.ops import KdaGateParams, KdaPrefillOut
 from kernels.triton.host_index import index_tables
-from kernels.triton.kda_chunk_fused import kda_chunk_fused_kernel
 from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel, kda_chunk_intra_two_block_kernel
 from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
@@ -290,55 +289,6 @@ class PrefillLaunch:
         sub_chunk = min(config.sub_chunk, self.chunk_size)
         return (config.two_block and self.form == 1 and self.chunk_size == 2 * sub_chunk
                 and sub_chunk * abs(self.gate.lower_bound) <= MAX_DENSE_EXPONENT)
-
-    def fused_unavailable(self, intra_config: KernelConfig | None = None,
-                          state_config: KernelConfig | None = None) -> str:
-        """Why both passes cannot run as one launch (`kda_chunk_fused`) with these configs ('' when they can): it
-        takes the two-block intra program and the prefetching state loop, no segments, and state programs that fill
-        at most one of the NARROW_STATE_PROGRAMS_PER_UNIT program slots of each SM/CU (the rest stay for intra
-        programs, which is what makes the launch deadlock-free)."""
-        intra_config = intra_config or kernel_config("kda_intra")
-        state_config = state_config or self.state_config()
-        if not self.uses_two_block(intra_config):
-            return "the fused launch runs the two-block intra program only"
-        if not state_config.prefetch or state_config.segment_chunks:
-            return "the fused launch runs the prefetching, unsegmented state loop only"
-        block_v = min(pow2_at_least(state_config.block_v), pow2_at_least(self.v_dim))
-        programs = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, block_v)
-        units = compute_units(self.q.device)
-        if programs > units:
-            return f"{programs} state programs would not leave every SM/CU a slot for intra programs ({units})"
-        return ""
-
-    def fused(self, intra_config: KernelConfig | None = None, state_config: KernelConfig | None = None,
-              max_spins: int = 1 << 22) -> torch.Tensor:
-        """Both passes in one launch (`kda_chunk_fused`): the state programs step each chunk as soon as its intra
-        program has published it. The launch runs on state_config's warps and stages. Returns the flags (one per
-        (chunk, head), all 1 once the launch is done)."""
-        intra_config = intra_config or kernel_config("kda_intra")
-        state_config = state_config or self.state_config()
-        why = self.fused_unavailable(intra_config, state_config)
-        if why:
-            raise ValueError(f"kda_prefill: {why}")
-        block_v = min(pow2_at_least(state_config.block_v), pow2_at_least(self.v_dim))
-        n_state = self.num_seqs * self.num_heads * triton.cdiv(self.v_dim, block_v)
-        n_intra = self.num_chunks * self.num_heads
-        flags = torch.zeros(n_intra, dtype=torch.int32, device=self.w.device)
-        interpreted = is_interpreted()
-        kda_chunk_fused_kernel[(n_state + n_intra,)](
-            self.q, self.k, self.v, self.f, self.beta_logits, self.a_log, self.dt_bias, float(self.gate.lower_bound),
-            self.w, self.u0, self.qg, self.kd, self.aqk, self.decay,
-            self.output, self.state_tensor, self.state_tensor.stride(0), self.plan.slots, self.has_init,
-            self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.chunk_start, self.plan.chunk_len,
-            self.ckpt_states, self.plan.seq_ckpt, max(self.checkpoint_interval, 1), self.scale,
-            flags, n_state, n_intra, max_spins,
-            H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size,
-            SUB=min(intra_config.sub_chunk, self.chunk_size), BK=pow2_at_least(self.k_dim), BV=block_v,
-            BVF=pow2_at_least(self.v_dim), FORM=self.form, INTRA_PRECISION=self._precision(intra_config),
-            STATE_PRECISION=self._precision(state_config), CHECKPOINTS=self.checkpoint_interval > 0,
-            INTERPRETED=interpreted, STATE_FIRST=not interpreted, num_warps=state_config.num_warps,
-            num_stages=state_config.num_stages)
-        return flags
 
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state` (narrow value blocks: many sequential programs for few long
