@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# Device calls for issue 6, one nvidia-h200 each. Owed after the 2026-11-30 ninth session: KDA prefill at
-# chunk_size=64 (not the default) now runs its narrow state blocks without prefetch, checked on the H200 at B=1 x 4K
-# only; `tune --chunk-sizes 64 --passes ''` checks the whole op at 64 on all three sweep shapes against float64
-# (~2 min without .whl). Nothing else changed on a default path since the eighth session, whose ops (mla_decode,
-# moe_experts) and whole model were re-checked on the H200 (conformance/results/README.md, bench/README.md).
+# Device calls for issue 6, one nvidia-h200 each. Nothing is owed after the 2026-11-30 tenth session: every op's
+# conformance ran at 2360226, moe_experts and the whole-model check at 4a0594b (the last kernel change: 192-row MoE
+# tiles), and every kernel row at 845d045 with the MoE rows again at 4a0594b (bench/README.md).
 #   K3CORE_COMMIT=<sha> bash scripts/gpu_next.sh check     # ~4.5 min: conformance of every op and the whole-model
 #                                                          #   check (12+ files: run it as two calls); `check
 #                                                          #   kda_decode,mla_decode` for some ops (+ the model check)
