@@ -264,21 +264,29 @@ def test_moe_experts_sub_blocks_and_weight_descriptors(monkeypatch, sub_blocks, 
     blocks whose second half is used and blocks where it is empty. I = 24 with 16-wide columns: the second gate
     column block runs into the up rows (masked); D = 40: the last K tile and the last down column block run past
     the width."""
-    top_k, experts, num_tokens, block_m = 2, 4, 37, 32
+    block_m = 32
     tile = tuning_ops.GemmConfig(block_n=block_n, block_k=16, num_warps=1, num_stages=1, sub_blocks=sub_blocks,
                                  weight_desc=weight_desc)
+    _check_moe_experts_with_tiles(monkeypatch, block_m, tile, fused_gate_up, _uneven_blocks_routing(37, 4, block_m),
+                                  hidden, inter)
+
+
+def _check_moe_experts_with_tiles(monkeypatch, block_m, tile, fused_gate_up, expert_ids, hidden, inter):
+    """The whole op with `tile` for both GEMMs (gate/up fused or not) on 4 experts against float64, every output
+    allocation NaN-poisoned: SiTU-GLU, top-k from expert_ids [T, k], random routing weights."""
     monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
         block_m=block_m, gate_up=tile._replace(fused_gate_up=fused_gate_up), down=tile))
+    (num_tokens, top_k), experts = expert_ids.shape, 4
     x = randn(num_tokens, hidden)
     w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
     w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    expert_ids = _uneven_blocks_routing(num_tokens, experts, block_m)
     weights = torch.rand(num_tokens, top_k, device=DEVICE)
     with nan_poisoned_allocations():
         out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
     expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
     check(out, expected, atol=2e-5, rtol=1e-5,
-          what=f"moe_experts sub_blocks={sub_blocks} weight_desc={weight_desc} fused_gate_up={fused_gate_up}")
+          what=f"moe_experts block_m={block_m} sub_blocks={tile.sub_blocks} weight_desc={tile.weight_desc} "
+               f"fused_gate_up={fused_gate_up}")
 
 
 def _three_sub_block_routing(block_m):
@@ -301,22 +309,11 @@ def test_moe_experts_three_sub_blocks(monkeypatch, weight_desc, fused_gate_up):
     with blocks that use one, two and all three: the whole op against float64. The trailing sub-blocks of a block
     are padding and must be neither computed into a routed row nor left unwritten where a pair sits (NaN-poisoned
     outputs). I = 24 with 16-wide columns and D = 40 end in partial tiles."""
-    hidden, inter, top_k, experts, block_m = 40, 24, 2, 4, 48
+    block_m = 48
     tile = tuning_ops.GemmConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, sub_blocks=3,
                                  weight_desc=weight_desc)
-    monkeypatch.setattr(moe_experts, "moe_gemm_config", lambda *args: tuning_ops.MoeGemmConfig(
-        block_m=block_m, gate_up=tile._replace(fused_gate_up=fused_gate_up), down=tile))
-    expert_ids = _three_sub_block_routing(block_m)
-    num_tokens = expert_ids.shape[0]
-    x = randn(num_tokens, hidden)
-    w13 = randn(experts, 2 * inter, hidden, scale=hidden ** -0.5)
-    w2 = randn(experts, hidden, inter, scale=inter ** -0.5)
-    weights = torch.rand(num_tokens, top_k, device=DEVICE)
-    with nan_poisoned_allocations():
-        out = moe_experts.moe_experts(x, w13, w2, weights, expert_ids, "situ", 4.0, 25.0)
-    expected = ref_moe.moe_experts(f64(x), f64(w13), f64(w2), f64(weights), expert_ids.cpu(), "situ", 4.0, 25.0)
-    check(out, expected, atol=2e-5, rtol=1e-5,
-          what=f"moe_experts sub_blocks=3 weight_desc={weight_desc} fused_gate_up={fused_gate_up}")
+    _check_moe_experts_with_tiles(monkeypatch, block_m, tile, fused_gate_up, _three_sub_block_routing(block_m),
+                                  40, 24)
 
 
 @pytest.mark.parametrize("block_m,sub_blocks", [(48, 2), (96, 4), (32, 3), (192, 2)])

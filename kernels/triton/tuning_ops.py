@@ -229,7 +229,7 @@ _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     # tune_moe-sub3-nvidia-h200.md (tenth session, two runs on two machines): 192-row blocks as three 64-row
     # sub-blocks on 16 warps, so that an expert's ~146 rows read its weights once per column block: gate/up 1.92 /
     # 2.02 ms against 2.19 / 2.25 for the 128-row tile above, down level (1.22 / 1.21 against 1.18 / 1.23); the
-    # pair 1.07x / 1.08x faster, torch._grouped_mm's still 0.89x / 0.91x of ours
+    # pair 1.07x / 1.08x faster; torch._grouped_mm's pair still takes 0.89x / 0.91x of our time
     "rows 2049+": MoeGemmConfig(block_m=192, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=16, num_stages=3,
                                                                 sub_blocks=3, weight_desc=True, fused_gate_up=True),
                                 down=GemmConfig(block_n=256, block_k=64, num_warps=16, num_stages=4, sub_blocks=3,
