@@ -79,9 +79,9 @@ def _signature(kernel: str) -> tuple[object, dict[str, str], dict]:
         from kernels.triton.kda_chunk_state import kda_chunk_state_kernel as fn  # noqa: PLC0415
         pointers = {name: "bf16" for name in ("w_ptr", "u_ptr", "qg_ptr", "kd_ptr", "aqk_ptr")}
         pointers.update(decay_ptr="fp32", o_ptr="bf16", state_ptr="fp32", slot_ptr="i32", has_init_ptr="i32",
-                        cu_seqlens_ptr="i32", seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
-                        ckpt_ptr="fp32", seq_ckpt_ptr="i32")
-        scalars = {"state_stride": "i64", "ckpt_interval": "i32", "scale": "fp32"}
+                        seq_chunk_ptr="i32", chunk_start_ptr="i32", chunk_len_ptr="i32",
+                        ckpt_ptr="fp32", chunk_ckpt_ptr="i32")
+        scalars = {"state_stride": "i64", "scale": "fp32"}
         consts = dict(KDA_SHAPE, CHECKPOINTS=False, INTERPRETED=False, PRECISION="ieee",
                       PREFETCH=kernel == "kda_state_prefetch")
     else:

@@ -132,6 +132,8 @@ def build_kda_prefill(p: dict, gen: torch.Generator) -> OpCall:
                 state=state,
                 slot_ids=slot_ids, has_initial_state=has_initial, scale=head_dim ** -0.5,
                 checkpoint_interval=p.get("checkpoint_interval", 0))
+    if "checkpoint_lengths" in p:
+        args["checkpoint_lengths"] = p["checkpoint_lengths"]
     return OpCall(args, frozenset({"gate", "state"}), {"state": slot_ids}, _host_metadata(p))
 
 
@@ -261,6 +263,8 @@ def _cases() -> list[Case]:
         form="softplus", checkpoint_interval=64)
     add("kda_prefill", "long-memory-varlen-ckpt32", "quick", lengths=[100, 0, 37, 150], H=2, K=32, slots=6,
         form="lower_bound", checkpoint_interval=32, memory="long")
+    add("kda_prefill", "long-memory-explicit-checkpoints", "quick", lengths=[100, 0, 70], H=2, K=32, slots=6,
+        form="lower_bound", checkpoint_lengths=[[5, 64, 99], [], [1, 70]], memory="long")
     add("kda_prefill", "long-memory-T2000-K128-ckpt64", "full", lengths=[2000, 300], H=2, K=128, slots=4,
         form="lower_bound", checkpoint_interval=64, memory="long")
     # 40 sequences x 12 heads: enough programs that a GPU's state pass takes the wide value blocks (kda_state_wide)

@@ -89,12 +89,15 @@ OPS: tuple[OpInfo, ...] = (
     OpInfo("kda_prefill", "kernels.torch.kda:kda_prefill", """
         kda_prefill(q [T, H, K], k [T, H, K], v [T, H, V], f [T, H, K], beta_logits [T, H], gate: KdaGateParams,
                     cu_seqlens [B+1], state, slot_ids [B], has_initial_state [B] bool, scale: float,
-                    checkpoint_interval: int = 0) -> KdaPrefillOut
+                    checkpoint_interval: int = 0, *, checkpoint_lengths: list[list[int]] | None = None)
+                    -> KdaPrefillOut
         Per sequence: q, k L2-normalised (eps 1e-6, float32), g = kda_gate(f), beta = sigmoid(beta_logits);
         recurrence S <- S diag(exp g_t); S <- S + beta_t (v_t - S k_t) k_t^T; o_t = scale * S q_t, starting from
         state[slot] (or zeros) and writing the final state back to state[slot].
         checkpoint_interval > 0: also return the state after every multiple of checkpoint_interval tokens of
-        each sequence (counted from the start of this call) and after its last token.
+        each sequence (counted from the start of this call) and after its last token. checkpoint_lengths (host
+        lists, one per sequence, strictly increasing in 1..its length; not with checkpoint_interval): the states
+        after exactly those token counts (the engine's cache snapshots inside a prefill chunk).
         cu_seqlens and slot_ids may be CPU tensors while the data is on the device (the model passes them so:
         providers read them on the host); every provider must accept both placements."""),
     OpInfo("kda_decode", "kernels.torch.kda:kda_decode", """

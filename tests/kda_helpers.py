@@ -117,11 +117,14 @@ def _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, stron
     expected_state = state.double()                                 # the reference updates its own copy
     arena_before = arena.clone()
 
+    # interval: an int (checkpoint_interval) or one list of token counts per sequence (checkpoint_lengths)
+    checkpoints = (dict(checkpoint_lengths=interval) if isinstance(interval, list)
+                   else dict(checkpoint_interval=interval))
     out = run(**inputs, gate=gate, cu_seqlens=cu_seqlens, state=state, slot_ids=slot_ids,
-              has_initial_state=has_initial_state, scale=0.37, checkpoint_interval=interval, chunk_size=chunk_size)
+              has_initial_state=has_initial_state, scale=0.37, chunk_size=chunk_size, **checkpoints)
     expected = ref_kda.kda_prefill(**_as64(inputs), gate=gate, cu_seqlens=cu_seqlens, state=expected_state,
                                    slot_ids=slot_ids, has_initial_state=has_initial_state, scale=0.37,
-                                   checkpoint_interval=interval)
+                                   **checkpoints)
 
     out_tol, state_tol = (KDA_STRONG_SOFTPLUS_TOL if strong and form == "softplus" and chunk_size >= 64
                           else (KDA_OUT_TOL, KDA_STATE_TOL))

@@ -248,3 +248,27 @@ def test_gate_router_norms_match_transformers(hf):
     z = torch.randn(4, 5, 16, dtype=torch.bfloat16)
     torch.testing.assert_close(gated_rms_norm(x, z, gated.weight.detach(), 1e-5), gated(x, z).detach(),
                                atol=0, rtol=0)
+
+
+def test_prefill_explicit_checkpoint_lengths_are_the_recurrent_states():
+    gen = torch.Generator().manual_seed(11)
+    lengths, head_dim, num_heads = [9, 0, 20], 8, 2
+    marks = [[1, 4, 9], [], [3, 17]]
+    total = sum(lengths)
+    q, k, v, f = (torch.randn(total, num_heads, head_dim, generator=gen, dtype=F64) for _ in range(4))
+    beta_logits = torch.randn(total, num_heads, generator=gen, dtype=F64)
+    gate = random_gate(num_heads, head_dim, "lower_bound", gen)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    state = torch.randn(3, num_heads, head_dim, head_dim, generator=gen, dtype=F64)
+    slots, has_init = torch.tensor([2, 0, 1]), torch.tensor([True, False, False])
+    initial = state.clone()
+    out = kda_prefill(q, k, v, f, beta_logits, gate, cu, state, slots, has_init, 0.5, checkpoint_lengths=marks)
+    g, beta = kda_gate(f, gate), torch.sigmoid(beta_logits)
+    want = []
+    for b, length in enumerate(lengths):
+        s, e = cu[b].item(), cu[b + 1].item()
+        args = (independent_l2(q[s:e]), independent_l2(k[s:e]), v[s:e], g[s:e], beta[s:e])
+        want += recurrent_states_at(*args, initial[slots[b]] if has_init[b] else None, 0.5, marks[b])
+    assert out.checkpoint_seq_ids.tolist() == [0, 0, 0, 2, 2]
+    assert out.checkpoint_lengths.tolist() == [1, 4, 9, 3, 17]
+    torch.testing.assert_close(out.checkpoint_states, torch.stack(want), atol=KDA_F64_ATOL, rtol=0)

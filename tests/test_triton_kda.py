@@ -245,6 +245,12 @@ def test_prefill_rejects_bad_arguments():
         kda_prefill(**inputs, **common, state=state, chunk_size=24)
     with pytest.raises(ValueError, match="checkpoint_interval"):
         kda_prefill(**inputs, **common, state=state, checkpoint_interval=-1)
+    for bad, match in (([[5]], "outside 1..4"), ([[2, 2]], "strictly increasing"), ([[1], [2]], "one per sequence"),
+                       ([torch.tensor([1])], "host list")):
+        with pytest.raises(ValueError, match=match):
+            kda_prefill(**inputs, **common, state=state, checkpoint_lengths=bad)
+    with pytest.raises(ValueError, match="not both"):
+        kda_prefill(**inputs, **common, state=state, checkpoint_interval=2, checkpoint_lengths=[[1]])
     with pytest.raises(ValueError, match="contiguous"):
         kda_prefill(**inputs, **common, state=state.transpose(2, 3))
     with pytest.raises(ValueError, match="gate form"):

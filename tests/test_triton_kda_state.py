@@ -45,11 +45,25 @@ def _state_pass_with(edit):
 @pytest.mark.parametrize("segment_chunks", [1, 2])
 def test_segmented_state_pass_matches_reference(form, chunk_size, lengths, k_dim, v_dim, interval, strong,
                                                 segment_chunks):
-    """KernelConfig(segment_chunks=n): each sequence's chunks as segments of >= n chunks (cut only where a
-    checkpoint may fall), their affine maps, the scan over them and the state pass per segment give the
+    """KernelConfig(segment_chunks=n): each sequence's chunks as segments of n chunks, their affine maps, the scan over them and the state pass per segment give the
     reference's outputs, final states and checkpoints, also for empty sequences and initial states."""
     run = _state_pass_with(lambda config: dataclasses.replace(config, segment_chunks=segment_chunks))
     _check_prefill_case(form, chunk_size, lengths, k_dim, v_dim, interval, strong, run)
+
+
+# explicit checkpoints (what the engine asks for when a chunk crosses cache checkpoint positions): inside a chunk,
+# on a chunk end, at a sequence's last token or not, none for one sequence, next to an empty sequence
+EXPLICIT_CASES = [(16, [50, 0, 74], [[7, 16, 50], [], [1, 33, 40, 70]]), (32, [130, 5], [[64, 129], [5]]),
+                  (16, [20], [[]])]
+
+
+@pytest.mark.parametrize("chunk_size,lengths,marks", EXPLICIT_CASES)
+@pytest.mark.parametrize("segment_chunks", [0, 1, 3])
+def test_explicit_checkpoint_lengths_match_reference(chunk_size, lengths, marks, segment_chunks):
+    """checkpoint_lengths: the states after exactly the asked token counts, in both state passes."""
+    run = _state_pass_with(lambda config: dataclasses.replace(config, segment_chunks=segment_chunks))
+    _check_prefill_case("lower_bound", chunk_size, lengths, 16, 32, marks, False, run,
+                        gate=_long_memory_gate(2, 16))
 
 
 LONG_MEMORY_CASES = [(16, [100, 0, 37], 0), (32, [130, 70], 32), (16, [75], 24)]   # chunk, lengths, interval
@@ -88,22 +102,22 @@ def test_state_config_segments_only_sequences_long_enough_for_two_segments(monke
         assert launch.state_config().segment_chunks == (4 if segmented else 0), lengths
 
 
-def test_segments_end_only_where_a_checkpoint_may_fall():
-    from kernels.triton.kda_prefill import host_chunk_plan, plan_segments
+def test_segments_cut_every_segment_chunks_and_checkpoint_rows_follow_the_chunks():
+    from kernels.triton.kda_prefill import NO_CHECKPOINT, host_chunk_plan, plan_segments
 
     bounds = [0, 50, 50, 124]                        # 50 tokens, an empty sequence, 74 tokens
-    host = host_chunk_plan(bounds, 16, 24)           # chunks end at 16, 24, 32, 48, 50 | - | 16, 24, 32, 48, 64, 72, 74
-    segments = plan_segments(bounds, host, 24, 1, torch.device("cpu"))
-    seg_chunk = segments.seg_chunk.tolist()
-    assert seg_chunk == [0, 2, 4, 5, 5, 7, 9, 11, 12]
+    marks = [[24, 50], [], [10, 24, 74]]
+    host = host_chunk_plan(bounds, 16, marks)        # chunks end at 16, 24, 32, 48, 50 | - | 10, 16, 24, 32, 48, 64, 74
+    assert host.seq_chunk == [0, 5, 5, 12]
+    assert host.chunk_ckpt == [NO_CHECKPOINT, 0, NO_CHECKPOINT, NO_CHECKPOINT, 1,
+                               2, NO_CHECKPOINT, 3, NO_CHECKPOINT, NO_CHECKPOINT, NO_CHECKPOINT, 4]
+    assert host.ckpt_seq_ids == [0, 0, 2, 2, 2] and host.ckpt_lengths == [24, 50, 10, 24, 74]
+    segments = plan_segments(host, 2, torch.device("cpu"))
+    assert segments.seg_chunk.tolist() == [0, 2, 4, 5, 5, 7, 9, 11, 12]
     assert segments.seq_seg.tolist() == [0, 3, 4, 8] and segments.last_seg.tolist() == [2, 3, 7]
-    assert segments.seg_bos.tolist() == [0, 0, 0, 50, 50, 50, 50, 50]
-    for segment, end in enumerate(seg_chunk[1:]):
-        seq = next(b for b in range(3) if segments.seq_seg[b] <= segment < segments.seq_seg[b + 1])
-        if end != host.seq_chunk[seq + 1]:           # an inner cut: a multiple of the interval into the sequence
-            assert (host.starts[end - 1] + host.lengths[end - 1] - bounds[seq]) % 24 == 0
+    assert host_chunk_plan(bounds, 16, None).chunk_ckpt == []
     with pytest.raises(ValueError, match="segment_chunks"):
-        plan_segments(bounds, host, 24, 0, torch.device("cpu"))
+        plan_segments(host, 0, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("case", [PREFILL_CASES[5], PREFILL_CASES[6]])

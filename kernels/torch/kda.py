@@ -20,6 +20,8 @@ Every exponent is a difference G_i - G_j with j <= i, so nothing overflows howev
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,7 +36,7 @@ GATE_FORMS = ("softplus", "lower_bound")
 class KdaSequenceOut(NamedTuple):
     output: torch.Tensor              # [T, H, V] in the compute dtype
     final_state: torch.Tensor         # [H, V, K] in the compute dtype
-    checkpoint_states: torch.Tensor   # [N, H, V, K]: after tokens checkpoint_every, 2 * checkpoint_every, ... <= T
+    checkpoint_states: torch.Tensor   # [N, H, V, K]: after each checkpoint's token count, in order
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -128,38 +130,87 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return output, state
 
 
-def _boundaries(seq_len: int, chunk_size: int, checkpoint_every: int) -> list[int]:
-    cuts = set(range(chunk_size, seq_len, chunk_size))
-    if checkpoint_every > 0:
-        cuts |= set(range(checkpoint_every, seq_len, checkpoint_every))
+def checkpoint_marks(seq_lens: Sequence[int], checkpoint_interval: int,
+                     checkpoint_lengths: Sequence[Sequence[int]] | None) -> list[list[int]] | None:
+    """The token counts (from the start of the call) after which `kda_prefill` returns each sequence's state,
+    one strictly increasing list per sequence; None when no checkpoint is asked for.
+
+    checkpoint_interval > 0: every multiple of it, and the sequence's last token (none for an empty sequence).
+    checkpoint_lengths: the lists as given, checked (one per sequence, 1 <= n <= its length, increasing).
+    Every provider of kda_prefill reads its arguments through this one rule.
+    """
+    if checkpoint_interval < 0:
+        raise ValueError(f"kda_prefill: checkpoint_interval must be >= 0, got {checkpoint_interval}")
+    if checkpoint_lengths is None:
+        if checkpoint_interval == 0:
+            return None
+        marks = []
+        for seq_len in seq_lens:
+            every = list(range(checkpoint_interval, seq_len + 1, checkpoint_interval))
+            if seq_len > 0 and (not every or every[-1] != seq_len):
+                every.append(seq_len)
+            marks.append(every)
+        return marks
+    if checkpoint_interval > 0:
+        raise ValueError(f"kda_prefill: pass checkpoint_interval ({checkpoint_interval}) or checkpoint_lengths, "
+                         f"not both")
+    if isinstance(checkpoint_lengths, torch.Tensor) or len(checkpoint_lengths) != len(seq_lens):
+        count = "a tensor" if isinstance(checkpoint_lengths, torch.Tensor) else f"{len(checkpoint_lengths)} lists"
+        raise ValueError(f"kda_prefill: checkpoint_lengths must be {len(seq_lens)} host lists of ints (one per "
+                         f"sequence of the batch), got {count}")
+    marks = []
+    for b, (seq_len, wanted) in enumerate(zip(seq_lens, checkpoint_lengths)):
+        if isinstance(wanted, torch.Tensor) or not all(isinstance(n, numbers.Integral) for n in wanted):
+            raise ValueError(f"kda_prefill: checkpoint_lengths[{b}] must be a host list of ints, got {wanted!r}")
+        wanted = [int(n) for n in wanted]
+        outside = [n for n in wanted if not 1 <= n <= seq_len]
+        if outside:
+            raise ValueError(f"kda_prefill: checkpoint_lengths[{b}] = {wanted} has {outside[0]}, outside "
+                             f"1..{seq_len} (sequence {b} has {seq_len} tokens in this call)")
+        if any(later <= earlier for earlier, later in zip(wanted, wanted[1:])):
+            raise ValueError(f"kda_prefill: checkpoint_lengths[{b}] = {wanted} must be strictly increasing")
+        marks.append(wanted)
+    return marks
+
+
+def _boundaries(seq_len: int, chunk_size: int, marks: Sequence[int]) -> list[int]:
+    cuts = set(range(chunk_size, seq_len, chunk_size)) | {n for n in marks if n < seq_len}
     return [0, *sorted(cuts), seq_len] if seq_len > 0 else [0]
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 initial_state: torch.Tensor | None, scale: float, chunk_size: int = 64,
-                checkpoint_every: int = 0) -> KdaSequenceOut:
+                checkpoint_every: int = 0, checkpoint_lengths: Sequence[int] | None = None) -> KdaSequenceOut:
     """One sequence, chunk by chunk with matrix products; the same result as `kda_recurrent`.
 
-    Same arguments as `kda_recurrent`. Chunks are cut at multiples of chunk_size and also at multiples of
-    checkpoint_every (so any interval works); checkpoint_states holds the state after every multiple of
-    checkpoint_every tokens up to and including T (none when checkpoint_every is 0).
+    Same arguments as `kda_recurrent`. checkpoint_states holds the state after every multiple of
+    checkpoint_every tokens up to and including T, or after exactly the token counts of checkpoint_lengths
+    (strictly increasing, in 1..T); none when neither is given. Chunks are cut at multiples of chunk_size and
+    also at every checkpoint (so any position works).
     """
     if chunk_size <= 0 or checkpoint_every < 0:
         raise ValueError(f"kda_chunked: chunk_size must be > 0 and checkpoint_every >= 0, "
                          f"got {chunk_size} and {checkpoint_every}")
+    seq_len, num_heads, k_dim = k.shape
+    if checkpoint_lengths is None:
+        marks = list(range(checkpoint_every, seq_len + 1, checkpoint_every)) if checkpoint_every else []
+    else:
+        if checkpoint_every:
+            raise ValueError("kda_chunked: pass checkpoint_every or checkpoint_lengths, not both")
+        marks = checkpoint_marks([seq_len], 0, [checkpoint_lengths])[0]
     dtype = compute_dtype(q, k, v, g, beta)
     qh, kh, vh, gh = (t.to(dtype).transpose(0, 1) for t in (q, k, v, g))     # heads first: [H, T, *]
     bh = beta.to(dtype).transpose(0, 1)                                       # [H, T]
-    seq_len, num_heads, k_dim = k.shape
     v_dim = v.shape[-1]
     state = _initial(initial_state, num_heads, v_dim, k_dim, vh)              # [H, V, K]
     output = torch.empty(num_heads, seq_len, v_dim, dtype=dtype, device=v.device)
     checkpoints = []
-    cuts = _boundaries(seq_len, chunk_size, checkpoint_every)
+    wanted = set(marks)
+    cuts = _boundaries(seq_len, chunk_size, marks)
     for start, end in zip(cuts[:-1], cuts[1:]):
         output[:, start:end], state = _chunk_step(qh[:, start:end], kh[:, start:end], vh[:, start:end],
                                                   gh[:, start:end], bh[:, start:end], state, scale)
-        if checkpoint_every > 0 and end % checkpoint_every == 0:
+        if end in wanted:
             checkpoints.append(state)
     stacked = torch.stack(checkpoints) if checkpoints else state.new_empty(0, num_heads, v_dim, k_dim)
     return KdaSequenceOut(output.transpose(0, 1), state, stacked)
@@ -186,16 +237,16 @@ def _check_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
 
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
                 gate: KdaGateParams, cu_seqlens: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
-                has_initial_state: torch.Tensor, scale: float, checkpoint_interval: int = 0) -> KdaPrefillOut:
+                has_initial_state: torch.Tensor, scale: float, checkpoint_interval: int = 0, *,
+                checkpoint_lengths: Sequence[Sequence[int]] | None = None) -> KdaPrefillOut:
     """Varlen KDA prefill (see `k3core.ops`): q, k, f [T, H, K], v [T, H, V], beta_logits [T, H].
 
     Each sequence starts from state[slot] (or zeros) and its final state is written back to state[slot] in
-    state.dtype. With checkpoint_interval > 0 the states after every multiple of checkpoint_interval tokens of
-    each sequence and after its last token are returned (ordered by sequence then position, in state.dtype,
-    i.e. float32 in production). A sequence of length 0 writes its (initial) state back and emits no checkpoint.
+    state.dtype. Checkpoints (`checkpoint_marks`): with checkpoint_interval > 0 the states after every multiple
+    of checkpoint_interval tokens of each sequence and after its last token; with checkpoint_lengths (host lists,
+    one per sequence) the states after exactly those token counts. Rows are ordered by sequence then position, in
+    state.dtype (float32 in production). A sequence of length 0 writes its (initial) state back.
     """
-    if checkpoint_interval < 0:
-        raise ValueError(f"kda_prefill: checkpoint_interval must be >= 0, got {checkpoint_interval}")
     bounds = cu_seqlens.tolist()                       # one host sync per call, not per token
     slots = slot_ids.tolist()
     has_init = has_initial_state.tolist()
@@ -203,6 +254,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     _check_prefill(q, k, v, f, beta_logits, state, num_seqs, slots)
     if bounds[-1] != q.shape[0]:
         raise ValueError(f"kda_prefill: cu_seqlens ends at {bounds[-1]} but there are {q.shape[0]} tokens")
+    marks = checkpoint_marks([end - start for start, end in zip(bounds[:-1], bounds[1:])], checkpoint_interval,
+                             checkpoint_lengths)
     num_heads, v_dim, k_dim = state.shape[1:]
     qn, kn = l2_normalize(q), l2_normalize(k)                                 # [T, H, K]
     g = kda_gate(f, gate)                                                     # [T, H, K]
@@ -212,21 +265,15 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     for b in range(num_seqs):
         start, end = bounds[b], bounds[b + 1]
         initial = state[slots[b]] if has_init[b] else None                   # [H, V, K] (a view: read before write)
+        seq_marks = marks[b] if marks is not None else []
         result = kda_chunked(qn[start:end], kn[start:end], v[start:end], g[start:end], beta[start:end],
-                             initial, scale, checkpoint_every=checkpoint_interval)
+                             initial, scale, checkpoint_lengths=seq_marks)
         output[start:end] = result.output.to(v.dtype)
         state[slots[b]] = result.final_state.to(state.dtype)
-        seq_len = end - start
-        if checkpoint_interval > 0 and seq_len > 0:
-            lengths = list(range(checkpoint_interval, seq_len + 1, checkpoint_interval))
-            states = [result.checkpoint_states]
-            if not lengths or lengths[-1] != seq_len:
-                lengths.append(seq_len)
-                states.append(result.final_state[None])
-            ckpt_states.append(torch.cat(states).to(state.dtype))
-            ckpt_seqs += [b] * len(lengths)
-            ckpt_lens += lengths
-    if ckpt_states:
+        ckpt_states.append(result.checkpoint_states.to(state.dtype))       # [len(seq_marks), H, V, K]
+        ckpt_seqs += [b] * len(seq_marks)
+        ckpt_lens += seq_marks
+    if ckpt_lens:
         checkpoint_states = torch.cat(ckpt_states)                            # [N, H, V, K]
     else:
         checkpoint_states = state.new_empty(0, num_heads, v_dim, k_dim)

@@ -12,8 +12,9 @@ one affine map too, h_out = T h_in + b, with T [K, K] and b [K, V]. Three steps:
     C  the state pass itself, with every segment as a sequence of its own that starts from the state B stored:
        outputs, checkpoints and each segment's final state, in parallel over segments
 
-Segments end where a checkpoint may fall (multiples of the checkpoint interval), so C's checkpoint rule (a
-checkpoint at every interval multiple and at the last chunk) holds per segment as it does per sequence.
+C writes checkpoints from the chunk plan's per-chunk row table, which is indexed by the batch's chunk, not by
+segment, so a segment may end at any chunk end and a checkpoint anywhere inside or at the end of one is written
+exactly as by the unsegmented pass.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ registers for the whole sequence, and per chunk (inputs from `kda_chunk_intra`):
     h = exp(G_last) * h + Kd^T U                                              [K, BV]
 
 Every product splits by value columns, so value blocks and heads run in parallel with no communication; the
-state is read once from state[slot] and written once, plus once per checkpoint the radix cache asked for.
+state is read once from state[slot] and written once, plus once per checkpoint the radix cache asked for: the
+host cuts chunks at every checkpoint and names, per chunk, the checkpoint row its end fills (-1 for none).
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def _chunk_load(i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_
 
 
 @triton.jit
-def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
+def _chunk_step(h, i_chunk, i_h, rows, cols_k, cols_v, h_offs,
                 start, length, w, qg, kd, u0, aqk, decay,
-                o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                o_ptr, ckpt_ptr, chunk_ckpt_ptr, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
                 PRECISION: tl.constexpr):
     """One chunk of one sequence from its loaded inputs (`_chunk_load`): writes O for this value block, returns
@@ -72,13 +73,8 @@ def _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_of
     h = decay[:, None] * h + tl.dot(tl.trans(kd), u.to(DOT_DTYPE), input_precision=PRECISION)  # [BK, BV]
 
     if CHECKPOINTS:
-        # Chunks are cut at every multiple of ckpt_interval, so a checkpoint always falls on a chunk end.
-        consumed = (start - bos).to(tl.int32) + length
-        is_last = i_chunk == end_chunk - 1
-        on_boundary = (consumed % ckpt_interval) == 0
-        index = tl.load(seq_ckpt_ptr + i_b) + (consumed + ckpt_interval - 1) // ckpt_interval - 1
-        tl.store(ckpt_ptr + index.to(tl.int64) * (H * V * K) + h_offs, h,
-                 mask=mask_h & (on_boundary | is_last))
+        row = tl.load(chunk_ckpt_ptr + i_chunk)                             # -1: this chunk end is no checkpoint
+        tl.store(ckpt_ptr + row.to(tl.int64) * (H * V * K) + h_offs, h, mask=mask_h & (row >= 0))
     return h
 
 
@@ -87,8 +83,8 @@ def kda_chunk_state_kernel(
         w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,               # workspace from kda_chunk_intra
         o_ptr,                                                           # [T, H, V] dtype of v
         state_ptr, state_stride, slot_ptr, has_init_ptr,                 # [slots, H, V, K] f32 (dim 0 strided)
-        cu_seqlens_ptr, seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,   # int32 tables
-        ckpt_ptr, seq_ckpt_ptr, ckpt_interval,                           # [N, H, V, K] f32, int32 [B + 1]
+        seq_chunk_ptr, chunk_start_ptr, chunk_len_ptr,                   # int32 tables
+        ckpt_ptr, chunk_ckpt_ptr,                                        # [N, H, V, K] f32, int32 [num_chunks]
         scale,
         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHECKPOINTS: tl.constexpr,
@@ -99,7 +95,6 @@ def kda_chunk_state_kernel(
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    bos = tl.load(cu_seqlens_ptr + i_b)
     first_chunk = tl.load(seq_chunk_ptr + i_b)
     end_chunk = tl.load(seq_chunk_ptr + i_b + 1)
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
@@ -135,26 +130,26 @@ def kda_chunk_state_kernel(
         i_chunk = first_chunk
         while i_chunk < end_chunk:
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
-                h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+                h, i_chunk, end_chunk, i_h, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                chunk_len_ptr, ckpt_ptr, chunk_ckpt_ptr, scale,
                 H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
             i_chunk += 1
     else:
         for i_chunk in range(first_chunk, end_chunk):
             h, start, length, w, qg, kd, u0, aqk, decay = _next_chunk(
-                h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+                h, i_chunk, end_chunk, i_h, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                chunk_len_ptr, ckpt_ptr, chunk_ckpt_ptr, scale,
                 H, K, V, BT, CHECKPOINTS, PRECISION, PREFETCH)
 
     tl.store(state_ptr + slot * state_stride + h_offs, h, mask=mask_h)
 
 
 @triton.jit
-def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
+def _next_chunk(h, i_chunk, end_chunk, i_h, rows, cols_k, cols_v, h_offs, start, length, w, qg, kd, u0,
                 aqk, decay, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr, o_ptr, chunk_start_ptr,
-                chunk_len_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+                chunk_len_ptr, ckpt_ptr, chunk_ckpt_ptr, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, CHECKPOINTS: tl.constexpr,
                 PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
     """One loop iteration: step chunk i_chunk with its inputs (loaded one iteration earlier with PREFETCH, else
@@ -166,8 +161,8 @@ def _next_chunk(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_of
         start, length, w, qg, kd, u0, aqk, decay = _chunk_load(
             i_chunk, end_chunk, i_h, rows, cols_k, cols_v, w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, decay_ptr,
             chunk_start_ptr, chunk_len_ptr, H, K, V, BT, False)
-    h = _chunk_step(h, i_chunk, end_chunk, i_b, i_h, bos, rows, cols_k, cols_v, h_offs,
-                    start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, seq_ckpt_ptr, ckpt_interval, scale,
+    h = _chunk_step(h, i_chunk, i_h, rows, cols_k, cols_v, h_offs,
+                    start, length, w, qg, kd, u0, aqk, decay, o_ptr, ckpt_ptr, chunk_ckpt_ptr, scale,
                     H, K, V, BT, CHECKPOINTS, PRECISION)
     if PREFETCH:
         start, length, w, qg, kd, u0, aqk, decay = nxt

@@ -2,12 +2,14 @@
 
 Two Triton passes (`kda_chunk_intra`: parallel over chunks and heads; `kda_chunk_state`: sequential over the
 chunks of a sequence, parallel over value blocks, heads and sequences). This wrapper only does bookkeeping:
-it reads cu_seqlens once on the host (one sync per call), cuts every sequence into chunks, and lays out the
-checkpoint rows (by sequence, then position).
+it reads cu_seqlens once on the host (one sync per call), cuts every sequence into chunks that end at every
+checkpoint asked for, and lays out the checkpoint rows (by sequence, then position) with the table that tells the
+state pass which chunk ends fill which row.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -21,6 +23,7 @@ from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
 from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
 from kernels.triton.tuning_ops import compute_units
+from kernels.torch.kda import checkpoint_marks
 
 # kda_state (block_v 16, 4 warps: 235 registers per thread in ncu on an H200, 255 offline) fits two programs per SM;
 # past that many programs the state pass would run in waves, and the wide value blocks win (PrefillLaunch.state_config).
@@ -42,13 +45,16 @@ def prefetch_unchecked(config: KernelConfig, chunk_size: int) -> bool:
     return config.prefetch and chunk_size > PREFETCH_CHECKED_CHUNK and config.block_v <= 32
 
 
+NO_CHECKPOINT = -1      # chunk_ckpt of a chunk whose end is no checkpoint
+
+
 class ChunkPlan(NamedTuple):
     """Host-side description of how the batch is cut (int32 views of one device tensor unless noted)."""
     chunk_start: torch.Tensor        # [num_chunks] first token (global index) of each chunk
     chunk_len: torch.Tensor          # [num_chunks] tokens in each chunk (1..chunk_size)
     seq_chunk: torch.Tensor          # [B + 1] chunks of sequence b are seq_chunk[b] .. seq_chunk[b + 1] - 1
-    seq_ckpt: torch.Tensor           # [B + 1] checkpoint rows of sequence b start at seq_ckpt[b]
-    cu_seqlens: torch.Tensor         # [B + 1] the batch's token bounds
+    chunk_ckpt: torch.Tensor         # [num_chunks] checkpoint row the state after each chunk fills, or
+                                     # NO_CHECKPOINT; empty when the call asks for no checkpoint
     slots: torch.Tensor              # [B] state slot of each sequence
     ckpt_seq_ids: torch.Tensor       # [num_ckpts] sequence of each checkpoint row
     ckpt_lengths: torch.Tensor       # [num_ckpts] tokens consumed at each checkpoint row
@@ -59,57 +65,51 @@ class HostChunkPlan(NamedTuple):
     starts: list[int]
     lengths: list[int]
     seq_chunk: list[int]
-    seq_ckpt: list[int]
+    chunk_ckpt: list[int]
     ckpt_seq_ids: list[int]
     ckpt_lengths: list[int]
 
 
-def plan_chunks(bounds: list[int], chunk_size: int, checkpoint_interval: int, device: torch.device,
-                slots: list[int] | None = None, host: HostChunkPlan | None = None) -> ChunkPlan:
-    """Cut each sequence at multiples of chunk_size and of checkpoint_interval (so checkpoints end chunks).
-
-    Every table is built on the host (or comes as `host`, from `host_chunk_plan` with the same arguments) and
-    reaches the device in one non-blocking copy (`index_tables`).
-    """
-    host = host or host_chunk_plan(bounds, chunk_size, checkpoint_interval)
-    slots = list(range(len(bounds) - 1)) if slots is None else slots
-    return ChunkPlan(*index_tables([host.starts, host.lengths, host.seq_chunk, host.seq_ckpt, bounds, slots,
+def plan_chunks(host: HostChunkPlan, slots: list[int], device: torch.device) -> ChunkPlan:
+    """`host_chunk_plan`'s tables on the device, in one non-blocking copy (`index_tables`)."""
+    return ChunkPlan(*index_tables([host.starts, host.lengths, host.seq_chunk, host.chunk_ckpt, slots,
                                     host.ckpt_seq_ids, host.ckpt_lengths], device))
 
 
-def host_chunk_plan(bounds: list[int], chunk_size: int, checkpoint_interval: int) -> HostChunkPlan:
+def host_chunk_plan(bounds: list[int], chunk_size: int, marks: Sequence[Sequence[int]] | None) -> HostChunkPlan:
+    """Cut each sequence at multiples of chunk_size and at each of its checkpoint token counts (`marks`, one
+    strictly increasing list per sequence as `checkpoint_marks` gives them, or None for no checkpoint), so that
+    every checkpoint falls on a chunk end; chunk_ckpt names the row each such chunk end fills."""
     starts: list[int] = []
     lengths: list[int] = []
     seq_chunk = [0]
-    seq_ckpt = [0]
+    chunk_ckpt: list[int] = []
     ckpt_seq_ids: list[int] = []
     ckpt_lengths: list[int] = []
     for b in range(len(bounds) - 1):
         bos, seq_len = bounds[b], bounds[b + 1] - bounds[b]
         cuts = set(range(chunk_size, seq_len, chunk_size))
-        if checkpoint_interval > 0:
-            cuts |= set(range(checkpoint_interval, seq_len, checkpoint_interval))
-            marks = list(range(checkpoint_interval, seq_len + 1, checkpoint_interval))
-            if seq_len > 0 and (not marks or marks[-1] != seq_len):
-                marks.append(seq_len)
-            ckpt_seq_ids += [b] * len(marks)
-            ckpt_lengths += marks
+        if marks is not None:
+            cuts.update(marks[b])
+            cuts.discard(seq_len)
         edges = [0, *sorted(cuts), seq_len] if seq_len > 0 else [0]
         for lo, hi in zip(edges[:-1], edges[1:]):
             starts.append(bos + lo)
             lengths.append(hi - lo)
+        if marks is not None:
+            row_at = {n: len(ckpt_lengths) + i for i, n in enumerate(marks[b])}     # every mark is an edge
+            chunk_ckpt += [row_at.get(hi, NO_CHECKPOINT) for hi in edges[1:]]
+            ckpt_seq_ids += [b] * len(marks[b])
+            ckpt_lengths += marks[b]
         seq_chunk.append(len(starts))
-        seq_ckpt.append(len(ckpt_lengths))
-    return HostChunkPlan(starts, lengths, seq_chunk, seq_ckpt, ckpt_seq_ids, ckpt_lengths)
+    return HostChunkPlan(starts, lengths, seq_chunk, chunk_ckpt, ckpt_seq_ids, ckpt_lengths)
 
 
 class SegmentPlan(NamedTuple):
     """The batch's chunks grouped into segments for the segmented state pass (`kda_chunk_segments`): each
-    segment is a run of whole chunks of one sequence that ends where a checkpoint may fall. int32 device tensors
-    of one copy; num_segments on the host."""
+    segment is a run of whole chunks of one sequence (checkpoints come from the chunk plan's per-chunk rows, so a
+    segment may end anywhere). int32 device tensors of one copy; num_segments on the host."""
     seg_chunk: torch.Tensor          # [S + 1] chunks of segment s are seg_chunk[s] .. seg_chunk[s + 1] - 1
-    seg_bos: torch.Tensor            # [S] first token of the segment's sequence (checkpoint positions count from it)
-    seg_ckpt: torch.Tensor           # [S] the sequence's first checkpoint row
     seg_slots: torch.Tensor          # [S] 0 .. S - 1: the segment's row of the segment-state scratch
     seg_has_init: torch.Tensor       # [S] all 1: every segment starts from the state the scan stored
     seq_seg: torch.Tensor            # [B + 1] segments of sequence b are seq_seg[b] .. seq_seg[b + 1] - 1
@@ -117,32 +117,20 @@ class SegmentPlan(NamedTuple):
     num_segments: int
 
 
-def plan_segments(bounds: list[int], host: HostChunkPlan, checkpoint_interval: int, segment_chunks: int,
-                  device: torch.device) -> SegmentPlan:
-    """Cut each sequence's chunks into segments of at least segment_chunks chunks, only at chunk ends that are
-    multiples of checkpoint_interval tokens into the sequence (any chunk end when it is 0); every sequence,
-    even an empty one, gets at least one segment."""
+def plan_segments(host: HostChunkPlan, segment_chunks: int, device: torch.device) -> SegmentPlan:
+    """Cut each sequence's chunks into segments of segment_chunks chunks (its last segment may be shorter);
+    every sequence, even an empty one, gets at least one segment."""
     if segment_chunks < 1:
         raise ValueError(f"kda_prefill: segment_chunks must be >= 1, got {segment_chunks}")
-    seg_chunk, seg_bos, seg_ckpt, seq_seg, last_seg = [0], [], [], [0], []
-    for b in range(len(bounds) - 1):
+    seg_chunk, seq_seg, last_seg = [0], [0], []
+    for b in range(len(host.seq_chunk) - 1):
         first, end = host.seq_chunk[b], host.seq_chunk[b + 1]
-        since = 0
-        for j in range(first, end - 1):             # a cut after chunk j
-            since += 1
-            consumed = host.starts[j] + host.lengths[j] - bounds[b]
-            if since >= segment_chunks and (checkpoint_interval == 0 or consumed % checkpoint_interval == 0):
-                seg_chunk.append(j + 1)
-                since = 0
+        seg_chunk += range(first + segment_chunks, end, segment_chunks)
         seg_chunk.append(end)
-        count = len(seg_chunk) - 1 - len(seg_bos)
-        seg_bos += [bounds[b]] * count
-        seg_ckpt += [host.seq_ckpt[b]] * count
-        seq_seg.append(len(seg_bos))
-        last_seg.append(len(seg_bos) - 1)
-    num_segments = len(seg_bos)
-    tables = index_tables([seg_chunk, seg_bos, seg_ckpt, list(range(num_segments)), [1] * num_segments, seq_seg,
-                           last_seg], device)
+        seq_seg.append(len(seg_chunk) - 1)
+        last_seg.append(len(seg_chunk) - 2)
+    num_segments = len(seg_chunk) - 1
+    tables = index_tables([seg_chunk, list(range(num_segments)), [1] * num_segments, seq_seg, last_seg], device)
     return SegmentPlan(*tables, num_segments)
 
 
@@ -171,15 +159,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Te
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta_logits: torch.Tensor,
                 gate: KdaGateParams, cu_seqlens: torch.Tensor, state: torch.Tensor, slot_ids: torch.Tensor,
                 has_initial_state: torch.Tensor, scale: float, checkpoint_interval: int = 0, *,
+                checkpoint_lengths: Sequence[Sequence[int]] | None = None,
                 chunk_size: int | None = None) -> KdaPrefillOut:
     """q, k, f [T, H, K], v [T, H, V], beta_logits [T, H] -> KdaPrefillOut; state[slot_ids] updated in place.
 
     chunk_size (keyword only, a power of two >= 16): tokens per chunk, by default the vendor table's
     `kda_intra` block_t (32 on NVIDIA, 64 on AMD; `bench.tune_prefill --chunk-sizes` compares others). Any
-    checkpoint_interval >= 0 works (chunks are also cut at its multiples).
+    checkpoint_interval >= 0 or checkpoint_lengths works: chunks are also cut at every checkpoint.
     """
     launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
-                                         has_initial_state, scale, checkpoint_interval, chunk_size=chunk_size)
+                                         has_initial_state, scale, checkpoint_interval,
+                                         checkpoint_lengths=checkpoint_lengths, chunk_size=chunk_size)
     if launch is not None:
         launch.intra()
         launch.state()
@@ -189,12 +179,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                         beta_logits: torch.Tensor, gate: KdaGateParams, cu_seqlens: torch.Tensor,
                         state: torch.Tensor, slot_ids: torch.Tensor, has_initial_state: torch.Tensor, scale: float,
-                        checkpoint_interval: int = 0, *, chunk_size: int | None = None
-                        ) -> tuple[PrefillLaunch | None, KdaPrefillOut]:
+                        checkpoint_interval: int = 0, *, checkpoint_lengths: Sequence[Sequence[int]] | None = None,
+                        chunk_size: int | None = None) -> tuple[PrefillLaunch | None, KdaPrefillOut]:
     """Check the inputs, cut the batch and allocate everything; launch nothing. The result's tensors are filled
     once the launch (None for an empty batch) has run intra() then state()."""
-    if checkpoint_interval < 0:
-        raise ValueError(f"kda_prefill: checkpoint_interval must be >= 0, got {checkpoint_interval}")
     chunk_size = chunk_size or kernel_config("kda_intra").block_t
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_prefill: chunk_size must be a power of two >= 16, got {chunk_size}")
@@ -206,8 +194,10 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     num_tokens, num_heads, k_dim = q.shape
     device = q.device
     a_log, dt_bias = gate_tensors(gate, num_heads, k_dim, device)
-    host_plan = host_chunk_plan(bounds, chunk_size, checkpoint_interval)
-    plan = plan_chunks(bounds, chunk_size, checkpoint_interval, device, slots, host_plan)
+    marks = checkpoint_marks([end - start for start, end in zip(bounds[:-1], bounds[1:])], checkpoint_interval,
+                             checkpoint_lengths)
+    host_plan = host_chunk_plan(bounds, chunk_size, marks)
+    plan = plan_chunks(host_plan, slots, device)
     output = torch.empty(num_tokens, num_heads, v.shape[-1], dtype=v.dtype, device=device)
     ckpt_states = torch.empty(plan.ckpt_lengths.numel(), num_heads, v.shape[-1], k_dim, dtype=torch.float32,
                               device=device)
@@ -215,7 +205,7 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
     if num_seqs == 0:
         return None, result
     return PrefillLaunch(q, k, v, f, beta_logits, gate, form, a_log, dt_bias, plan, has_initial_state, state,
-                         output, ckpt_states, float(scale), checkpoint_interval, chunk_size, bounds, host_plan), result
+                         output, ckpt_states, float(scale), chunk_size, bounds, host_plan), result
 
 
 class PrefillLaunch:
@@ -227,13 +217,13 @@ class PrefillLaunch:
     """
 
     def __init__(self, q, k, v, f, beta_logits, gate: KdaGateParams, form: int, a_log, dt_bias, plan: ChunkPlan,
-                 has_initial_state, state, output, ckpt_states, scale: float, checkpoint_interval: int,
-                 chunk_size: int, bounds: list[int], host_plan: HostChunkPlan):
+                 has_initial_state, state, output, ckpt_states, scale: float, chunk_size: int, bounds: list[int],
+                 host_plan: HostChunkPlan):
         self.q, self.k, self.v, self.f, self.beta_logits = (t.contiguous() for t in (q, k, v, f, beta_logits))
         self.gate, self.form, self.a_log, self.dt_bias, self.plan = gate, form, a_log, dt_bias, plan
         self.state_tensor, self.output, self.ckpt_states = state, output, ckpt_states
         self.bounds, self.host_plan = bounds, host_plan            # the cut on the host (segmented pass)
-        self.scale, self.checkpoint_interval, self.chunk_size = scale, checkpoint_interval, chunk_size
+        self.scale, self.chunk_size = scale, chunk_size
         num_tokens, self.num_heads, self.k_dim = q.shape
         self.v_dim = v.shape[-1]
         self.num_seqs = plan.slots.numel()
@@ -330,25 +320,24 @@ class PrefillLaunch:
             self._state_segmented(config, block_v)
         else:
             self._state_kernel(config, block_v, self.num_seqs, self.state_tensor, self.plan.slots, self.has_init,
-                               self.plan.cu_seqlens, self.plan.seq_chunk, self.plan.seq_ckpt)
+                               self.plan.seq_chunk)
 
-    def _state_kernel(self, config: KernelConfig, block_v: int, num_seqs: int, state, slots, has_init, bos,
-                      seq_chunk, seq_ckpt) -> None:
+    def _state_kernel(self, config: KernelConfig, block_v: int, num_seqs: int, state, slots, has_init,
+                      seq_chunk) -> None:
         """kda_chunk_state_kernel over `num_seqs` runs of chunks (the sequences, or segments of them)."""
         kda_chunk_state_kernel[(triton.cdiv(self.v_dim, block_v), self.num_heads, num_seqs)](
             self.w, self.u0, self.qg, self.kd, self.aqk, self.decay, self.output, state, state.stride(0), slots,
-            has_init, bos, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, seq_ckpt,
-            max(self.checkpoint_interval, 1), self.scale,
+            has_init, seq_chunk, self.plan.chunk_start, self.plan.chunk_len, self.ckpt_states, self.plan.chunk_ckpt,
+            self.scale,
             H=self.num_heads, K=self.k_dim, V=self.v_dim, BT=self.chunk_size, BK=pow2_at_least(self.k_dim),
-            BV=block_v, CHECKPOINTS=self.checkpoint_interval > 0, INTERPRETED=is_interpreted(),
+            BV=block_v, CHECKPOINTS=self.ckpt_states.shape[0] > 0, INTERPRETED=is_interpreted(),
             PRECISION=self._precision(config), PREFETCH=config.prefetch, num_warps=config.num_warps,
             num_stages=config.num_stages)
 
     def _state_segmented(self, config: KernelConfig, block_v: int) -> None:
         """The three steps of `kda_chunk_segments`: every segment's affine map, the scan over each sequence's
         segments, then the state pass per segment; each sequence's final state is its last segment's."""
-        segments = plan_segments(self.bounds, self.host_plan, self.checkpoint_interval, config.segment_chunks,
-                                 self.w.device)
+        segments = plan_segments(self.host_plan, config.segment_chunks, self.w.device)
         k_dim, v_dim, heads = self.k_dim, self.v_dim, self.num_heads
         block_k = pow2_at_least(k_dim)
         seg_map = torch.empty(segments.num_segments, heads, k_dim, k_dim + v_dim, dtype=torch.float32,
@@ -366,6 +355,6 @@ class PrefillLaunch:
             segments.seq_seg, seg_state, H=heads, K=k_dim, V=v_dim, BK=block_k, BV=block_v,
             INTERPRETED=is_interpreted(), PRECISION=self._precision(config), num_warps=8)
         self._state_kernel(config, block_v, segments.num_segments, seg_state, segments.seg_slots,
-                           segments.seg_has_init, segments.seg_bos, segments.seg_chunk, segments.seg_ckpt)
+                           segments.seg_has_init, segments.seg_chunk)
         self.state_tensor[self.plan.slots.long()] = seg_state[segments.last_seg.long()]
 
