@@ -1,7 +1,7 @@
 """Sweep the launch parameters of the Triton MoE expert GEMMs (kernels/triton/moe_experts.py, `moe_gemm_config`).
 
-    python -m bench.tune_moe [--out DIR]                  # on an H200: two shapes, about 3 minutes at most
-    TRITON_INTERPRET=1 python -m bench.tune_moe --smoke   # tiny grid on the CPU: checks the plumbing only
+    python -m tools.tune.tune_moe [--out DIR]                  # on an H200: two shapes, about 3 minutes at most
+    TRITON_INTERPRET=1 python -m tools.tune.tune_moe --smoke   # tiny grid on the CPU: checks the plumbing only
 
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
@@ -393,7 +393,7 @@ def write(results: list[ShapeResult], env: dict, out_dir: Path) -> tuple[Path, P
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune_moe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.tune.tune_moe", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny grid on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop timing new configs after this long")
@@ -409,7 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(argv: list[str] | None = None) -> list[ShapeResult]:
     args = parse_args(argv)
     start = time.monotonic()
-    require_interpreter(args.smoke, "bench.tune_moe")
+    require_interpreter(args.smoke, "tools.tune.tune_moe")
     ctx = make_context(args.smoke, args.seed)
     full = {"experts": EXPERTS, "top_k": TOP_K, "latent": LATENT, "width": WIDTH, "shapes": SHAPES}
     dims = SMOKE if args.smoke else full

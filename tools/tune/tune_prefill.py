@@ -1,7 +1,7 @@
 """Where KDA chunked prefill spends its time, pass by pass, and a sweep of each pass's launch configs.
 
-    python -m bench.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
-    TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
+    python -m tools.tune.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
+    TRITON_INTERPRET=1 python -m tools.tune.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
 
 kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
@@ -265,7 +265,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     table_chunk = kernel_config("kda_intra").block_t
     chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
         (table_chunk, 16) if args.smoke else (table_chunk, 64 if table_chunk != 64 else 32))
-    require_interpreter(args.smoke, "bench.tune_prefill")
+    require_interpreter(args.smoke, "tools.tune.tune_prefill")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)
