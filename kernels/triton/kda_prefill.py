@@ -35,7 +35,7 @@ MAX_DENSE_EXPONENT = 80.0
 # under Triton 3.6.0 (2026-11-30): the whole op at 64-token chunks gave a relative error of 0.90, merged 64-token
 # chunks NaN or relative errors of 0.03-1.06, 128-token chunks illegal memory accesses; block_v 64 / 128 and the
 # same kernel without prefetch were right, and the interpreter is right in every form
-# (bench/results/tune-prefill-merge-nvidia-h200.md). Past this chunk size such a config runs without prefetch.
+# (bench/results/archive/tune-prefill-merge-nvidia-h200.md). Past this chunk size such a config runs without prefetch.
 PREFETCH_CHECKED_CHUNK = 32
 
 
@@ -283,8 +283,8 @@ class PrefillLaunch:
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state` (narrow value blocks: many sequential programs for few long
         sequences) while all of its programs can be resident at once (NARROW_STATE_PROGRAMS_PER_UNIT per SM/CU),
-        else `kda_state_wide`. On an H200 at 32-token chunks (bench/results/tune-prefill-wide128-nvidia-h200.md) the
-        wide blocks won at 8 x 4K (0.31 ms against 0.72) and 64 x 512 (0.26 against 0.73), and lost at B=1 (2.60
+        else `kda_state_wide`. On an H200 at 32-token chunks
+        (bench/results/archive/tune-prefill-wide128-nvidia-h200.md) the wide blocks won at 8 x 4K (0.31 ms against 0.72) and 64 x 512 (0.26 against 0.73), and lost at B=1 (2.60
         against 1.47), where the narrow config's 96 programs all run at once.
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for

@@ -82,11 +82,11 @@ class Grid:
     kda_warps: tuple[int, ...]
 
 
-# The 2026-11-29 sweeps (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
-# 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the "waves" split policy,
-# wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and block_v 4. KDA
-# decode with programmatic dependent launch (waiting on the previous kernel before its first load) gained nothing
-# beyond noise on 2026-11-30 (bench/results/tune-decode-merge-nvidia-h200.md) and was removed.
+# The first decode sweeps (bench/results/archive/tune-decode-nvidia-h200.md) never picked "gather" tiles, one
+# pipeline stage, 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the
+# "waves" split policy, wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and
+# block_v 4. KDA decode with programmatic dependent launch (waiting on the previous kernel before its first load)
+# gained nothing beyond noise (bench/results/archive/tune-decode-merge-nvidia-h200.md) and was removed.
 GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page",), (32, 64), (4, 8), (2, 3),
                 (1, 2, 4), ("cover", "waves"),
                 ((1, 0), (16, 128), (32, 64), (64, 32), (128, 32), (64, 16), (256, 16), (128, 16)),
