@@ -205,16 +205,33 @@ def build_attn_res_read(p: dict, gen: torch.Generator) -> OpCall:
 
 
 def build_sample(p: dict, gen: torch.Generator) -> OpCall:
-    # Only settings whose answer does not depend on the random stream: greedy, top_k 1, a tiny top_p, min_p 1.
+    # The draw is a hash of (seed, position, token id), so every setting has one right answer: greedy, a tie,
+    # plain temperature, top_k, top_p, min_p and their mixes. p["filters"]: "top_k" (every filtering row has a
+    # top_k: the top-k path), "any" (top_p / min_p rows without top_k: the full sort), "none" (no filter).
     rows, vocab = p["B"], p["V"]
-    modes = [(0.0, 0, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.3, 0, 1e-9, 0.0), (0.9, 0, 1.0, 1.0)]
+    modes = {"none": [(0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (1.7, 0, 1.0, 0.0)],
+             "top_k": [(0.0, 0, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.3, 7, 0.8, 0.0),
+                       (0.9, 3, 1.0, 0.4), (1.0, 0, 1.0, 0.0)],
+             "any": [(0.0, 0, 1.0, 0.0), (1.3, 0, 1e-9, 0.0), (0.9, 0, 1.0, 1.0), (1.0, 0, 0.9, 0.0),
+                     (1.0, 0, 1.0, 0.05), (0.8, 40, 0.95, 0.02), (1.0, 0, 1.0, 0.0)]}[p["filters"]]
     chosen = [modes[i % len(modes)] for i in range(rows)]
-    return OpCall(dict(logits=_randn(gen, rows, vocab, scale=3.0),
+    logits = _randn(gen, rows, vocab, scale=3.0)
+    logits[0, vocab // 2] = logits[0, vocab // 3] = logits[0].max() + 1.0        # a greedy tie: the lower id wins
+    sampled = [m for m in chosen if m[0] >= 1e-5]
+    if p["filters"] == "none":
+        width = 0
+    elif all(0 < m[1] < vocab for m in sampled if (m[1], m[2], m[3]) != (0, 1.0, 0.0)):
+        width = max(m[1] for m in sampled)
+    else:
+        width = vocab
+    return OpCall(dict(logits=logits,
                        temperature=torch.tensor([m[0] for m in chosen], dtype=torch.float64),
                        top_k=torch.tensor([m[1] for m in chosen], dtype=torch.int64),
                        top_p=torch.tensor([m[2] for m in chosen], dtype=torch.float64),
                        min_p=torch.tensor([m[3] for m in chosen], dtype=torch.float64),
-                       generators=[None] * rows),
+                       seeds=torch.randint(-2 ** 63, 2 ** 63 - 1, (rows,), generator=gen, dtype=torch.int64),
+                       positions=torch.randint(0, 5000, (rows,), generator=gen, dtype=torch.int64),
+                       filter_width=width),
                   frozenset({"logits", "temperature", "top_p", "min_p"}), {})
 
 
@@ -296,8 +313,8 @@ def _cases() -> list[Case]:
     add("attn_res_read", "T15-S4-valid2", "quick", T=15, S=4, num_valid=2, D=64)
     add("attn_res_read", "T1-S3-valid0", "quick", T=1, S=3, num_valid=0, D=64)
     add("attn_res_read", "T1000-S9-valid8", "full", T=1000, S=9, num_valid=8, D=512)
-    add("sample", "B8-V50", "quick", B=8, V=50)
-    add("sample", "B64-V32000", "full", B=64, V=32000)
+    add("sample", "B8-V50", "quick", B=8, V=50, filters="top_k")
+    add("sample", "B7-V50-sort", "quick", B=7, V=50, filters="any")
     return out
 
 

@@ -63,6 +63,9 @@ class RouteOut(NamedTuple):
     expert_ids: torch.Tensor  # [T, top_k] int64
 
 
+GREEDY_TEMPERATURE = 1e-5    # `sample`: a row whose temperature is below this is greedy
+
+
 OPS: tuple[OpInfo, ...] = (
     OpInfo("rms_norm", "kernels.torch.norm:rms_norm", """
         rms_norm(x [..., D], weight [D], eps) -> [..., D]
@@ -130,9 +133,13 @@ OPS: tuple[OpInfo, ...] = (
         candidates = bank[:, :num_valid] then live; score_j = rsqrt(mean(v_j^2) + eps) * (v_j . query);
         softmax over j; mix of the raw candidates in float32, cast to live.dtype."""),
     OpInfo("sample", "kernels.torch.sampling:sample", """
-        sample(logits [B, V] float32, temperature [B], top_k [B] int (0 = off), top_p [B], min_p [B],
-               generators: list[torch.Generator | None]) -> token_ids int64 [B]
-        temperature 0 means greedy (argmax, lowest index on ties)."""),
+        sample(logits [R, V] any float, temperature [R] float32, top_k [R] int64 (0 = off), top_p [R] float32,
+               min_p [R] float32, seeds [R] int64, positions [R] int64, filter_width: int) -> token_ids int64 [R]
+        temperature < GREEDY_TEMPERATURE: argmax (lowest index on ties). Else Gumbel-max over the tokens top_k,
+        top_p (of the top-k renormalised distribution), min_p (relative to the most likely) keep, in float32,
+        with noise hashed from (seeds[r], positions[r], token id): a row's token never depends on other rows.
+        filter_width (host): how many largest logits per row the filters see (0 = no row filters; >= the largest
+        top_k; V when a row has top_p or min_p without top_k). Device work only, no host sync."""),
 )
 
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)
