@@ -1,4 +1,4 @@
-"""Whole-model benchmark (issue #6 target 7): one model on one GPU, the cuda backend beside the torch backend.
+"""Whole-model benchmark: one model on one GPU, the cuda backend beside the torch backend.
 
     python -m bench.model_bench --model k3-mini [--out DIR]
     TRITON_INTERPRET=1 python -m bench.model_bench --smoke      # k3-tiny on the CPU, no graphs: plumbing only

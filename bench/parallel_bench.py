@@ -1,4 +1,4 @@
-"""Parallel plans on several GPUs over NCCL (issue 8): tokens identical to one GPU, then prefill and decode speed.
+"""Parallel plans on several GPUs over NCCL: tokens identical to one GPU, then prefill and decode speed.
 
     python -m bench.parallel_bench --out DIR                 # on a 2-GPU machine (scripts/gpu.sh parallel)
     python -m bench.parallel_bench --smoke --out DIR         # CPU processes over gloo, k3-tiny: plumbing only
