@@ -136,7 +136,7 @@ class Timer:
 
 
 def sweep_timer(device: torch.device) -> Timer:
-    """The same policy with the sweeps' shorter do_bench budget (bench.tune_decode, bench.tune_prefill)."""
+    """The same policy with the sweeps' shorter do_bench budget (tools.tune.tune_decode, tools.tune.tune_prefill)."""
     return Timer(device, SWEEP_WARMUP_MS, SWEEP_REP_MS, "do_bench median (sweep budget)")
 
 
