@@ -10,7 +10,8 @@
 #   bash scripts/gpu.sh model [ARGS]          python -m bench.model_bench --model k3-mini (BS=1 decode vs its memory
 #                                             floor, 8K prefill, 64 x 8K decode, cuda vs torch backend)
 #   bash scripts/gpu.sh serving [ARGS]        starts python -m k3core.serve on the GPU, runs python -m bench.serve_bench
-#                                             on the random and shared-prefix datasets (ARGS go to the server)
+#                                             on the random and shared-prefix datasets (ARGS go to the server; MODEL
+#                                             and BACKEND override k3-mini and cuda)
 #   bash scripts/gpu.sh parallel [ARGS]       python -m bench.parallel_bench on 2 GPUs (--sections, --plans)
 #   bash scripts/gpu.sh tune prefill|decode|moe [ARGS]   python -m tools.tune.tune_<what>: checked config sweeps
 #   bash scripts/gpu.sh tune ncu [TARGET ...] Nsight Compute on one call per kernel (tools.tune.ncu_targets)
@@ -102,7 +103,7 @@ model() {
 serving() {
     local port=${PORT:-30200} url
     url=http://127.0.0.1:$port
-    local server=("$PY" -m k3core.serve --model k3-mini --backend cuda --port "$port" "$@")
+    local server=("$PY" -m k3core.serve --model "${MODEL:-k3-mini}" --backend "${BACKEND:-cuda}" --port "$port" "$@")
     local client=("$PY" -m bench.serve_bench --url "$url" --num-prompts 64 --max-concurrency 16)
     if [ "$DRY_RUN" = 1 ]; then
         echo "${server[*]}"
@@ -110,7 +111,8 @@ serving() {
         echo "timeout 300 ${client[*]} --dataset shared-prefix --num-groups 4 --prefix-len 1024 --question-len 32"
         return 0
     fi
-    "${server[@]}" > "$OUT/server.log" 2>&1 &
+    # its own process group, so that stopping it also stops any process the server started (the engine)
+    setsid "${server[@]}" > "$OUT/server.log" 2>&1 &
     local server_pid=$!
     for _ in $(seq 1 180); do
         curl -sf "$url/health" >/dev/null 2>&1 && break
@@ -121,7 +123,7 @@ serving() {
         --output "$OUT/serve_bench_random.json"
     run 300 serve_shared.log "${client[@]}" --dataset shared-prefix --num-groups 4 --prefix-len 1024 \
         --question-len 32 --output "$OUT/serve_bench_shared_prefix_cache_on.json"
-    kill $server_pid; wait $server_pid 2>/dev/null
+    kill -TERM -- -"$server_pid" 2>/dev/null || kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null
     tail -n 12 "$OUT/serve_random.log" "$OUT/serve_shared.log"
 }
 
