@@ -58,7 +58,7 @@ class DeviceSample:
         self._logprob_counts = logprob_counts            # their top-n
         # [R + L * n_max] int64: the sampled ids, then each logprob row's top ids; values [L * (1 + n_max)]
         self._ids = token_ids if logprob_ids is None else torch.cat([token_ids, logprob_ids.reshape(-1)])
-        self._values = logprob_values
+        self._values = None if logprob_values is None else logprob_values.reshape(-1)
         self._event = None
         self._copied = False
 
