@@ -179,8 +179,9 @@ def build_mla_decode(p: dict, gen: torch.Generator) -> OpCall:
 
 def build_moe_route(p: dict, gen: torch.Generator) -> OpCall:
     bias = _randn(gen, p["E"], scale=0.1) if p["bias"] else None
+    grouping = dict(num_expert_group=p["groups"], topk_group=p["topk_group"]) if "groups" in p else {}
     return OpCall(dict(logits=_randn(gen, p["T"], p["E"], scale=2.0), correction_bias=bias, top_k=p["top_k"],
-                       scoring=p["scoring"], renormalize=p["renormalize"], routed_scaling_factor=2.5),
+                       scoring=p["scoring"], renormalize=p["renormalize"], routed_scaling_factor=2.5, **grouping),
                   frozenset({"logits", "correction_bias"}), {})
 
 
@@ -339,6 +340,8 @@ def _cases() -> list[Case]:
         renormalize=True)
     add("moe_route", "softmax-T15-E8-k2", "quick", T=15, E=8, top_k=2, scoring="softmax", bias=False,
         renormalize=False)
+    add("moe_route", "grouped-G4-keep2-T65-E16-k4", "quick", T=65, E=16, top_k=4, scoring="sigmoid", bias=True,
+        renormalize=True, groups=4, topk_group=2)
     add("moe_route", "sigmoid-T1000-E256-k8", "full", T=1000, E=256, top_k=8, scoring="sigmoid", bias=True,
         renormalize=True)
     add("moe_experts", "silu-T15-E4-k2", "quick", T=15, D=32, I=16, E=4, top_k=2, activation="silu")

@@ -120,9 +120,12 @@ OPS: tuple[OpInfo, ...] = (
         output = weights @ kv[..., :v_dim]. seq_lens[b] >= 1."""),
     OpInfo("moe_route", "kernels.torch.moe:moe_route", """
         moe_route(logits [T, E] float32, correction_bias [E] | None, top_k, scoring, renormalize,
-                  routed_scaling_factor) -> RouteOut
+                  routed_scaling_factor, num_expert_group: int = 1, topk_group: int = 1) -> RouteOut
         scores = sigmoid(logits) (or softmax); choose top_k by scores + bias; weights = scores at the chosen
-        experts, divided by (sum + 1e-20) when renormalize, times routed_scaling_factor."""),
+        experts, divided by (sum + 1e-20) when renormalize, times routed_scaling_factor.
+        num_expert_group > 1 (grouped top-k, DeepSeek-V3 / transformers' Kimi-Linear): the experts form that many
+        contiguous groups, a group scores the sum of its two best (scores + bias), and the top_k are chosen among
+        the experts of the topk_group best groups only (group ties go to the lower group)."""),
     OpInfo("moe_experts", "kernels.torch.moe:moe_experts", """
         moe_experts(x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] float32, expert_ids [T, k],
                     activation, situ_beta, situ_linear_beta, expert_offset: int = 0) -> y [T, D]
