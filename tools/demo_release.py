@@ -1,9 +1,9 @@
 """Write the trained demo model as K3 publishes a checkpoint, and describe it in a model card.
 
 Layout (K3_CHAT_FORMAT.md section 1): `config.json` (`model_type: kimi_k3`, the text model under `text_config`,
-with a compressed-tensors `quantization_config` naming the MXFP4 experts), `model.safetensors` (routed experts as
-MXFP4 `weight_packed` + `weight_scale`, the other "weight" tensors bf16, the "fp32" tensors float32),
-`tiktoken.model`, `tokenizer_config.json`, `generation_config.json`; next to them `MODEL_CARD.md`,
+with the compressed-tensors `quantization_config` the checkpoint writer adds for MXFP4 experts),
+`model.safetensors` (routed experts as MXFP4 `weight_packed` + `weight_scale`, the other "weight" tensors bf16,
+the "fp32" tensors float32), `tiktoken.model`, `tokenizer_config.json`, `generation_config.json`; next to them `MODEL_CARD.md`,
 `loss_curve.png` and `training_log.json` (the numbers the card quotes).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from k3core.config import ModelConfig
+from k3core.hf_config import is_mxfp4_quantization
 from k3core.model.checkpoint_writer import save_k3_checkpoint
 from k3core.model.weights import count_parameters, expected_tensors
 
@@ -27,23 +28,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CARD_FILE = "MODEL_CARD.md"
 LOSS_CURVE_FILE = "loss_curve.png"
 TRAINING_LOG_FILE = "training_log.json"
-
-# compressed-tensors' description of K3's MXFP4 routed experts (K3_ARCHITECTURE.md section 1.2)
-QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "mxfp4-pack-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "format": "mxfp4-pack-quantized",
-        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-                    "dynamic": False, "scale_dtype": "uint8"},
-        "input_activations": None, "output_activations": None,
-    }},
-    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-               "re:.*routed_expert_(down|up)_proj.*", "re:.*block_sparse_moe\\.gate$", "lm_head"],
-}
-
 
 def is_routed_expert(name: str) -> bool:
     return name.endswith((".mlp.experts.w13", ".mlp.experts.w2"))
@@ -78,10 +62,10 @@ def write_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, dire
     """config.json + model.safetensors; returns the canonical weights the directory holds (float32 experts
     dequantised from MXFP4, the rest as stored)."""
     held = save_k3_checkpoint(release_weights(weights, config), config, directory, mxfp4_experts=True)
-    config_path = directory / "config.json"
-    data = json.loads(config_path.read_text())
-    data["text_config"]["quantization_config"] = QUANTIZATION_CONFIG
-    config_path.write_text(json.dumps(data, indent=2) + "\n")
+    written = json.loads((directory / "config.json").read_text())["text_config"].get("quantization_config")
+    if not is_mxfp4_quantization(written):
+        raise RuntimeError(f"{directory}/config.json does not declare the MXFP4 experts it holds; the checkpoint "
+                           "writer must write the compressed-tensors quantization_config")
     return held
 
 
