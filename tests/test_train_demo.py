@@ -12,6 +12,7 @@ import math
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,8 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 
 EXPECTED_FILES = ("config.json", "model.safetensors", "tiktoken.model", "tokenizer_config.json",
-                  "generation_config.json", "MODEL_CARD.md", "loss_curve.png", "training_log.json")
+                  "generation_config.json", "MODEL_CARD.md", "loss_curve.png", "training_log.json", "golden.json")
+SHIPPED_DEMO = Path(__file__).resolve().parents[1] / "k3core" / "presets" / "k3-demo"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,7 +102,27 @@ def test_the_checkpoint_loads_as_a_k3_checkpoint_and_means_what_was_trained(smok
     assert torch.allclose(llm.prompt_logits(prompt), want, atol=1e-4, rtol=0)
     text = "def f(x):\n    return x"
     assert llm.tokenizer.encode(text) == demo_tokenizer.load_encoding(out).encode_ordinary(text)
-    assert "loads it" in summary.engine_check
+    assert "loads it as a real K3 checkpoint" in summary.engine_check and "the same" in summary.engine_check
+    _check_golden(out)
+
+
+def _check_golden(directory: Path) -> None:
+    """The engine (`k3core.LLM`, torch backend, float32) reproduces the directory's golden.json: the held-out loss
+    to float32 rounding and the greedy tokens exactly."""
+    from k3core import LLM, SamplingParams
+    golden = json.loads((directory / "golden.json").read_text())
+    llm = LLM(str(directory), backend="torch", device="cpu", dtype="float32")
+    ids = golden["heldout_token_ids"]
+    loss = torch.nn.functional.cross_entropy(llm.prompt_logits(ids[:-1]), torch.tensor(ids[1:])).item()
+    assert abs(loss - golden["heldout_loss"]) < 1e-4
+    assert llm.tokenizer.encode(golden["prompt"]) == golden["prompt_token_ids"]
+    params = SamplingParams(max_tokens=len(golden["greedy_token_ids"]), temperature=0.0, ignore_eos=True)
+    assert llm.generate([golden["prompt"]], params)[0].token_ids == golden["greedy_token_ids"]
+
+
+@pytest.mark.skipif(not (SHIPPED_DEMO / "config.json").is_file(), reason="the trained demo checkpoint is not shipped")
+def test_the_shipped_demo_checkpoint_reproduces_its_golden():
+    _check_golden(SHIPPED_DEMO)
 
 
 def _heldout_stream(out, summary) -> torch.Tensor:
@@ -149,8 +171,7 @@ def test_training_chat_examples_render_as_the_independent_renderer_does():
         assert train_demo.chat_ids(example, encoding) == demo_tokenizer.encode_segments(encoding, segments)
 
 
-def _repo_root():
-    from pathlib import Path
+def _repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 

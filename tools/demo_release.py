@@ -1,10 +1,11 @@
 """Write the trained demo model as K3 publishes a checkpoint, and describe it in a model card.
 
 Layout (K3_CHAT_FORMAT.md section 1): `config.json` (`model_type: kimi_k3`, the text model under `text_config`,
-with the compressed-tensors `quantization_config` the checkpoint writer adds for MXFP4 experts),
-`model.safetensors` (routed experts as MXFP4 `weight_packed` + `weight_scale`, the other "weight" tensors bf16,
-the "fp32" tensors float32), `tiktoken.model`, `tokenizer_config.json`, `generation_config.json`; next to them `MODEL_CARD.md`,
-`loss_curve.png` and `training_log.json` (the numbers the card quotes).
+with the compressed-tensors `quantization_config` that the checkpoint writer adds for MXFP4 experts),
+`model.safetensors` (routed experts as MXFP4 `weight_packed` + `weight_scale`, the other "weight" tensors bf16, the
+"fp32" tensors float32), `tiktoken.model`, `tokenizer_config.json`, `generation_config.json`; next to them
+`MODEL_CARD.md`, `loss_curve.png`, `training_log.json` (the numbers the card quotes) and `golden.json` (what
+an engine must reproduce on it, written by tools/train_demo.py).
 """
 from __future__ import annotations
 
@@ -171,7 +172,9 @@ Vocabulary: {c.vocab_size} ({c.vocab_size - 256} BPE ranks + K3's 256 reserved s
 The published K3 layout: `config.json` (`model_type: kimi_k3`, `text_config`, compressed-tensors
 `quantization_config`), `model.safetensors` ({summary.checkpoint_bytes / 1e6:.1f} MB; routed experts in MXFP4
 `weight_packed`/`weight_scale`, the rest bf16, conv/gate/bias tensors float32), `tiktoken.model` (sha256
-`{summary.tokenizer_sha256[:16]}...`), `tokenizer_config.json`, `generation_config.json`. The experts were
+`{summary.tokenizer_sha256[:16]}...`), `tokenizer_config.json`, `generation_config.json`, and `golden.json` (a held-out window with its loss and a
+greedy continuation, computed on the CPU in float32 from the checkpoint: what an engine must reproduce). The
+experts were
 trained quantisation-aware (MXFP4 values in the forward, straight-through gradient) for the second part of
 training, so the stored MXFP4 experts are the weights that were evaluated. Engine check: {summary.engine_check}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
 import math
 import random
 import sys
@@ -191,8 +192,10 @@ def _optimizer(model: DemoModel, lr: float, weight_decay: float) -> torch.optim.
 
 
 @torch.no_grad()
-def greedy(model: DemoModel, prompt_ids: list[int], max_tokens: int, stop_id: int, device: torch.device) -> list[int]:
-    """Greedy continuation by full recomputation (the demo model is small; this checks meaning, not speed)."""
+def greedy(model: DemoModel, prompt_ids: list[int], max_tokens: int, stop_id: int | None,
+           device: torch.device) -> list[int]:
+    """Greedy continuation by full recomputation (the demo model is small; this checks meaning, not speed); it
+    ends after `stop_id` when one is given."""
     ids = list(prompt_ids)
     for _ in range(max_tokens):
         next_id = int(model(torch.tensor([ids], device=device))[0, -1].argmax())
@@ -202,27 +205,39 @@ def greedy(model: DemoModel, prompt_ids: list[int], max_tokens: int, stop_id: in
     return ids[len(prompt_ids):]
 
 
-def engine_check(directory: Path, config: ModelConfig, model: DemoModel, window: torch.Tensor) -> str:
-    """Load the directory as a real K3 checkpoint, run the engine's network (torch backend, float32, CPU) on a
-    held-out window and compare its logits with the training network's; then try `k3core.LLM(directory)`."""
-    from k3core.backend import OpSpec, select_ops
-    from k3core.llm import scratch_forward
+def write_golden(directory: Path, config: ModelConfig, encoding, window: torch.Tensor) -> dict:
+    """golden.json: what the engine must reproduce on this checkpoint, computed on the CPU in float32 by the training
+    network from the checkpoint as loaded: the mean next-token loss of a held-out window, and the greedy
+    continuation (GOLDEN_TOKENS tokens, end-of-sequence ids not stopping it) of a fixed prompt."""
     from k3core.model.loader import load_checkpoint
-    from k3core.model.network import Network
     cpu = torch.device("cpu")
-    weights = load_checkpoint(directory, config, dtype=torch.float32, device=cpu)
-    network = Network(config, weights, select_ops("torch", OpSpec(config, torch.float32, cpu)))
-    token_ids = window.tolist()
-    want = network.forward(*scratch_forward(config, token_ids, torch.float32, cpu))
-    got = DemoModel(config, weights)(torch.tensor([token_ids]))[0]
-    line = (f"the engine's network (torch backend, float32) on the loaded checkpoint gives logits within "
-            f"{(got - want).abs().max().item():.1e} of the training network's on {len(token_ids)} held-out tokens")
+    model = DemoModel(config, load_checkpoint(directory, config, dtype=torch.float32, device=cpu))
+    loss, _ = evaluate(model, window[None], 1, cpu, bf16=False)
+    prompt_ids = encoding.encode_ordinary(GOLDEN_PROMPT)
+    golden = {"heldout_token_ids": window.tolist(), "heldout_loss": loss, "prompt": GOLDEN_PROMPT,
+              "prompt_token_ids": prompt_ids,
+              "greedy_token_ids": greedy(model, prompt_ids, GOLDEN_TOKENS, stop_id=None, device=cpu)}
+    (directory / GOLDEN_FILE).write_text(json.dumps(golden) + "\n")
+    return golden
+
+
+def engine_check(directory: Path, golden: dict) -> str:
+    """`k3core.LLM(directory)` (the path a real K3 checkpoint takes; torch backend, float32, CPU) against the
+    golden: its loss on the held-out window and its greedy continuation. Returns the card's sentence."""
+    from k3core import LLM, SamplingParams
     try:
-        from k3core import LLM
-        LLM(str(directory), backend="torch", device="cpu", dtype="float32")
-        return line + "; `k3core.LLM(directory)` loads it."
-    except Exception as exc:          # reported in the card, not fatal: the weights themselves are checked above
-        return line + f"; `k3core.LLM(directory)` does not load it yet ({type(exc).__name__}: {exc})."
+        llm = LLM(str(directory), backend="torch", device="cpu", dtype="float32")
+    except Exception as exc:          # reported in the card and on stderr; the weights were checked by the golden
+        return f"`k3core.LLM(directory)` does not load it ({type(exc).__name__}: {exc})."
+    ids = golden["heldout_token_ids"]
+    logits = llm.prompt_logits(ids[:-1])                                                # [T, V]
+    loss = F.cross_entropy(logits, torch.tensor(ids[1:])).item()
+    params = SamplingParams(max_tokens=len(golden["greedy_token_ids"]), temperature=0.0, ignore_eos=True)
+    tokens = llm.generate([golden["prompt_token_ids"]], params)[0].token_ids
+    same = "the same" if tokens == golden["greedy_token_ids"] else "DIFFERENT"
+    return (f"`k3core.LLM(directory)` loads it as a real K3 checkpoint (torch backend, float32, CPU): held-out loss "
+            f"{loss:.5f} against the training network's {golden['heldout_loss']:.5f} on {len(ids) - 1} tokens, and "
+            f"{same} {len(tokens)} greedy tokens as `{GOLDEN_FILE}` records.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -366,7 +381,9 @@ def main(argv: list[str] | None = None) -> demo_release.TrainingSummary:
     heldout_metrics = {"loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens,
                        "bits_per_byte": loss * num_tokens / math.log(2) / max(1, target_bytes)}
     samples = _samples(checkpoint_model, encoding, config, device, max_tokens=2 if args.smoke else 120)
-    check = engine_check(out, config, checkpoint_model.cpu(), heldout[0, :-1][:256])
+    golden = write_golden(out, config, encoding, heldout[0, : GOLDEN_WINDOW + 1])
+    check = engine_check(out, golden)
+    print(f"[train_demo] engine check: {check}", file=sys.stderr)
     curve = demo_release.LossCurve(train_points, heldout_points)
     plotted = demo_release.plot_loss_curve(curve, out / demo_release.LOSS_CURVE_FILE)
     summary = demo_release.TrainingSummary(
@@ -399,6 +416,10 @@ def _byte_lengths(encoding, vocab_size: int) -> torch.Tensor:
     return lengths
 
 
+GOLDEN_FILE = "golden.json"
+GOLDEN_WINDOW = 256                # held-out tokens whose loss the engine must reproduce
+GOLDEN_TOKENS = 16                 # greedy tokens the engine must reproduce
+GOLDEN_PROMPT = "import os\n\n\ndef "
 SAMPLE_CODE_PROMPT = 'def read_lines(path):\n    """Return the lines of the file at path, without line endings."""\n'
 SAMPLE_CHAT_REQUEST = "Write a Python function `is_palindrome(text)` that returns True when text reads the same " \
                       "backwards, ignoring case."
