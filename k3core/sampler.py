@@ -122,10 +122,11 @@ class _StepTables:
     repetition: list[float] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
+    drawn_rows: list[int] = field(default_factory=list)           # rows that are not greedy
 
 
 _DEVICE_INTS = ("top_k", "seeds", "positions", "bias_rows", "bias_ids", "banned_rows", "banned_ids", "penalty_rows",
-                "penalty_slots", "logprob_rows")
+                "penalty_slots", "logprob_rows", "drawn_rows")
 _DEVICE_FLOATS = ("temperature", "top_p", "min_p", "bias_values", "presence", "frequency", "repetition")
 
 
@@ -141,6 +142,7 @@ class _DeviceTables(NamedTuple):
     penalty_rows: torch.Tensor
     penalty_slots: torch.Tensor
     logprob_rows: torch.Tensor
+    drawn_rows: torch.Tensor
     temperature: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
@@ -216,11 +218,21 @@ class Sampler:
         x = self._processed(logits, rows, host, dev)                                   # [R, V] float32
         greedy = [t < GREEDY_TEMPERATURE for t in host.temperature]
         width = filter_width(host.top_k, host.top_p, host.min_p, greedy, self.vocab_size)
-        token_ids = self._sample_op(x, dev.temperature, dev.top_k, dev.top_p, dev.min_p, dev.seeds, dev.positions,
-                                    width)                                             # [R] int64
+        if not host.drawn_rows:                                                    # greedy rows only: no noise
+            token_ids = x.argmax(dim=-1)                                           # [R] int64, first maximum
+        elif len(host.drawn_rows) == len(rows):
+            token_ids = self._sample_op(x, dev.temperature, dev.top_k, dev.top_p, dev.min_p, dev.seeds,
+                                        dev.positions, width)
+        else:                                   # a row's draw depends on its own values only: sample the subset
+            token_ids = x.argmax(dim=-1)
+            drawn = dev.drawn_rows
+            token_ids.index_copy_(0, drawn, self._sample_op(
+                x[drawn], dev.temperature[drawn], dev.top_k[drawn], dev.top_p[drawn], dev.min_p[drawn],
+                dev.seeds[drawn], dev.positions[drawn], width))
         if host.penalty_rows:
+            flat = dev.penalty_slots * self.vocab_size + token_ids[dev.penalty_rows]   # [P] into counts.view(-1)
             ones = torch.ones(len(host.penalty_rows), dtype=torch.int32, device=self.device)
-            self._output_counts.index_put_((dev.penalty_slots, token_ids[dev.penalty_rows]), ones, accumulate=True)
+            self._output_counts.view(-1).index_add_(0, flat, ones)
         logprob_ids = logprob_values = None
         if host.logprob_rows:
             logprob_ids, logprob_values = _logprobs(logits[dev.logprob_rows], token_ids[dev.logprob_rows],
@@ -245,6 +257,8 @@ class Sampler:
                 raise KeyError(f"sampler: request {item.request_id!r} has no state; call add_request first")
             params = item.params
             host.temperature.append(params.temperature)
+            if not params.greedy:
+                host.drawn_rows.append(row)
             host.top_k.append(params.top_k if params.top_k < vocab else 0)
             host.top_p.append(params.top_p)
             host.min_p.append(params.min_p)
@@ -276,11 +290,14 @@ class Sampler:
 
     def _processed(self, logits: torch.Tensor, rows: Sequence[SampleRow], host: _StepTables,
                    dev: _DeviceTables) -> torch.Tensor:
-        x = logits.to(torch.float32, copy=True)                                         # [R, V]
         masked = [row for row, item in enumerate(rows) if item.allowed_token_mask is not None]
+        changes = masked or host.bias_rows or host.banned_rows or host.penalty_rows
+        x = logits.to(torch.float32)                                                    # [R, V]
+        if changes:                                                                     # a private dense copy
+            x = x.clone(memory_format=torch.contiguous_format) if x is logits else x.contiguous()
         if masked:
             allowed = torch.ones_like(x, dtype=torch.bool)                              # [R, V]
-            on_host = [row for row in masked if rows[row].allowed_token_mask.device != self.device]
+            on_host = [row for row in masked if rows[row].allowed_token_mask.device.type == "cpu"]
             copied = index_tables([rows[row].allowed_token_mask for row in on_host], self.device, torch.bool)
             for row, mask in zip(on_host, copied):
                 allowed[row] = mask
@@ -288,10 +305,11 @@ class Sampler:
                 if row not in on_host:
                     allowed[row] = rows[row].allowed_token_mask
             x.masked_fill_(~allowed, NEG_INF)
+        vocab = self.vocab_size
         if host.bias_rows:
-            x.index_put_((dev.bias_rows, dev.bias_ids), dev.bias_values, accumulate=True)
+            x.view(-1).index_add_(0, dev.bias_rows * vocab + dev.bias_ids, dev.bias_values)
         if host.banned_rows:
-            x.index_put_((dev.banned_rows, dev.banned_ids), torch.tensor(NEG_INF, device=self.device))
+            x.view(-1).index_fill_(0, dev.banned_rows * vocab + dev.banned_ids, NEG_INF)
         if host.penalty_rows:
             counts = self._output_counts[dev.penalty_slots]                             # [P, V] int32
             in_output = counts > 0
