@@ -11,7 +11,6 @@ sampled, so a caller's output list may end with placeholders for ids it has not 
 """
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -19,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from k3core.ops import GREEDY_TEMPERATURE
-from k3core.sampling_params import INT64_MIN, SamplingParams
+from k3core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from k3core.transfer import index_tables
 
 NEG_INF = float("-inf")
@@ -178,7 +177,9 @@ class Sampler:
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (size "
                              f"{self.vocab_size}); use ids below {self.vocab_size}")
-        seed = params.seed if params.seed is not None else INT64_MIN + secrets.randbits(64)
+        seed = params.seed
+        if seed is None:                        # torch's global CPU generator: torch.manual_seed replays it
+            seed = int(torch.randint(INT64_MIN, INT64_MAX, (), dtype=torch.int64))
         slot = None
         if params.uses_penalties:
             slot = self._take_slot()

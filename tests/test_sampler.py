@@ -142,7 +142,8 @@ def test_a_seeded_row_gives_the_same_tokens_alone_in_any_batch_and_order():
 
 
 def test_placeholders_and_unseeded_requests():
-    """Position counts placeholders; a request without a seed gets its own random one."""
+    """Position counts placeholders; a request without a seed gets its own random one (torch.manual_seed
+    replays it)."""
     vocab = 50
     logits = torch.randn(1, vocab, generator=seeded(3)) * 0.1
     a, b = make_sampler(vocab), make_sampler(vocab)
@@ -155,10 +156,14 @@ def test_placeholders_and_unseeded_requests():
         real.append(token_a)
         seen.append(token_b)
     assert real == seen
-    unseeded = make_sampler(vocab)
-    rows = [add(unseeded, f"u{i}", temperature=1.0) for i in range(6)]
     flat = torch.zeros(6, vocab)
-    assert len(set(run(unseeded, flat, rows).token_ids)) > 1
+    replays = []
+    for _ in range(2):
+        torch.manual_seed(1234)                          # unseeded requests draw their seed from torch's RNG
+        unseeded = make_sampler(vocab)
+        rows = [add(unseeded, f"u{i}", temperature=1.0) for i in range(6)]
+        replays.append(run(unseeded, flat, rows).token_ids)
+    assert replays[0] == replays[1] and len(set(replays[0])) > 1
 
 
 def test_noise_is_uniform_and_never_zero_or_one():
