@@ -85,3 +85,39 @@ def test_every_registered_triton_op_has_an_offline_case():
             print(backend, len(functions))
     """)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_float32_kda_prefill_fits_both_amd_targets():
+    """The float32 state pass asked for 128 KiB of LDS on gfx942 (64 KiB) at the table's chunk and block_v; fitted
+    from the target's LDS size, every kda_prefill launch (state and intra passes) compiles and fits on both."""
+    result = _python("""
+        from bench.kernel_resources import main
+        raise SystemExit(main(["--arch", "gfx942,gfx950", "--ops", "kda_prefill", "--models", "k3-mini",
+                               "--dtypes", "float32"]))
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    state_rows = [line for line in result.stdout.splitlines() if "| kda_chunk_state_kernel |" in line]
+    assert state_rows and all("| ok |" in row for row in state_rows), state_rows
+
+
+def test_state_config_and_precision_follow_the_architecture():
+    """Chunk and block_v from the LDS size (not per-case guards); a precision the architecture rejects replaced."""
+    from kernels.triton.tuning import (dot_precision, fit_chunk_size, fit_state_config, kernel_config,
+                                       shared_memory_limit, state_shared_bytes)
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    amd = (kernel_config("kda_state", "amd"), kernel_config("kda_state_wide", "amd"))
+    expected = {("gfx942", 2): (64, 16), ("gfx942", 4): (32, 16), ("gfx950", 2): (64, 32), ("gfx950", 4): (64, 16)}
+    for (arch, element_size), (chunk, block_v) in expected.items():
+        with assume_device(AssumedDevice("amd", arch, 256)):
+            limit = shared_memory_limit()
+            assert fit_chunk_size(64, 128, element_size, amd) == chunk, (arch, element_size)
+            fitted = fit_state_config(amd[0], chunk, 128, element_size, limit)
+            assert fitted.block_v == block_v, (arch, element_size, fitted)
+            assert state_shared_bytes(chunk, 128, fitted.block_v, fitted.num_stages, element_size) <= limit
+    assert fit_state_config(amd[0], 64, 128, 4, None) == amd[0]          # the interpreter: unchanged
+    with assume_device(AssumedDevice("amd", "gfx950", 256)):
+        assert dot_precision("tf32") == "bf16x3" and dot_precision("ieee") == "ieee"
+    with assume_device(AssumedDevice("amd", "gfx942", 304)):
+        assert dot_precision("tf32") == "tf32"
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        assert dot_precision("tf32") == "tf32" and dot_precision("bf16x3") == "tf32x3"
