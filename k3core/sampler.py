@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-from k3core.ops import GREEDY_TEMPERATURE
 from k3core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from k3core.transfer import index_tables
 
@@ -122,10 +121,12 @@ class _StepTables:
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
     drawn_rows: list[int] = field(default_factory=list)           # rows that are not greedy
+    draw_groups: dict[int, list[int]] = field(default_factory=dict)   # filter width -> its drawn rows
+    group_rows: list[int] = field(default_factory=list)           # the groups' rows, one group after another
 
 
 _DEVICE_INTS = ("top_k", "seeds", "positions", "bias_rows", "bias_ids", "banned_rows", "banned_ids", "penalty_rows",
-                "penalty_slots", "logprob_rows", "drawn_rows")
+                "penalty_slots", "logprob_rows", "group_rows")
 _DEVICE_FLOATS = ("temperature", "top_p", "min_p", "bias_values", "presence", "frequency", "repetition")
 
 
@@ -141,7 +142,7 @@ class _DeviceTables(NamedTuple):
     penalty_rows: torch.Tensor
     penalty_slots: torch.Tensor
     logprob_rows: torch.Tensor
-    drawn_rows: torch.Tensor
+    group_rows: torch.Tensor
     temperature: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
@@ -217,19 +218,20 @@ class Sampler:
         Device work only; the host tables go over in two non-blocking copies."""
         host, dev = self._tables(logits, rows)
         x = self._processed(logits, rows, host, dev)                                   # [R, V] float32
-        greedy = [t < GREEDY_TEMPERATURE for t in host.temperature]
-        width = filter_width(host.top_k, host.top_p, host.min_p, greedy, self.vocab_size)
-        if not host.drawn_rows:                                                    # greedy rows only: no noise
-            token_ids = x.argmax(dim=-1)                                           # [R] int64, first maximum
-        elif len(host.drawn_rows) == len(rows):
+        groups = host.draw_groups                                                      # filter width -> rows
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(rows):
+            (width,) = groups
             token_ids = self._sample_op(x, dev.temperature, dev.top_k, dev.top_p, dev.min_p, dev.seeds,
-                                        dev.positions, width)
-        else:                                   # a row's draw depends on its own values only: sample the subset
-            token_ids = x.argmax(dim=-1)
-            drawn = dev.drawn_rows
-            token_ids.index_copy_(0, drawn, self._sample_op(
-                x[drawn], dev.temperature[drawn], dev.top_k[drawn], dev.top_p[drawn], dev.min_p[drawn],
-                dev.seeds[drawn], dev.positions[drawn], width))
+                                        dev.positions, width)                          # [R] int64
+        else:           # a row's draw depends on its own values only, so each group is sampled on its own
+            token_ids = x.argmax(dim=-1)                                               # greedy rows: first maximum
+            start = 0
+            for width, group in groups.items():
+                index = dev.group_rows[start: start + len(group)]
+                start += len(group)
+                token_ids.index_copy_(0, index, self._sample_op(
+                    x[index], dev.temperature[index], dev.top_k[index], dev.top_p[index], dev.min_p[index],
+                    dev.seeds[index], dev.positions[index], width))
         if host.penalty_rows:
             flat = dev.penalty_slots * self.vocab_size + token_ids[dev.penalty_rows]   # [P] into counts.view(-1)
             ones = torch.ones(len(host.penalty_rows), dtype=torch.int32, device=self.device)
@@ -285,6 +287,8 @@ class Sampler:
             if params.logprobs is not None:
                 host.logprob_rows.append(row)
                 host.logprob_counts.append(params.logprobs)
+        host.draw_groups = _draw_groups(host, vocab)
+        host.group_rows = [row for group in host.draw_groups.values() for row in group]
         ints = index_tables([getattr(host, name) for name in _DEVICE_INTS], self.device, torch.int64)
         floats = index_tables([getattr(host, name) for name in _DEVICE_FLOATS], self.device, torch.float32)
         return host, _DeviceTables(*ints, *floats)
@@ -327,12 +331,27 @@ def filter_width(top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[f
                  vocab_size: int) -> int:
     """The `filter_width` the `sample` op needs for these rows: 0 when no sampled row filters, the largest top_k
     when every filtering row has one, else the whole vocabulary (a top-p or min-p row without top_k sorts it)."""
-    width = 0
-    for k, p, m, g in zip(top_k, top_p, min_p, greedy):
-        if g or ((k <= 0 or k >= vocab_size) and p >= 1.0 and m <= 0.0):
-            continue
-        width = max(width, k if 0 < k < vocab_size else vocab_size)
-    return width
+    return max((_row_width(k, p, m, vocab_size) for k, p, m, g in zip(top_k, top_p, min_p, greedy) if not g),
+               default=0)
+
+
+def _row_width(top_k: int, top_p: float, min_p: float, vocab_size: int) -> int:
+    if 0 < top_k < vocab_size:
+        return top_k
+    return 0 if top_p >= 1.0 and min_p <= 0.0 else vocab_size
+
+
+def _draw_groups(host: _StepTables, vocab_size: int) -> dict[int, list[int]]:
+    """The rows that draw (not greedy), grouped so that rows without filters never pay a sort and top-k rows never
+    pay a full one: unfiltered rows (width 0), top-k rows (width = the group's largest top_k), the rest (V)."""
+    groups: dict[int, list[int]] = {}
+    widths: dict[int, int] = {}
+    for row in host.drawn_rows:
+        width = _row_width(host.top_k[row], host.top_p[row], host.min_p[row], vocab_size)
+        kind = width if width in (0, vocab_size) else -1
+        groups.setdefault(kind, []).append(row)
+        widths[kind] = max(widths.get(kind, 0), width)
+    return {widths[kind]: rows for kind, rows in groups.items()}
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
