@@ -8,6 +8,14 @@ of the raw model distribution. Nothing in it reads device values back. The one h
 
 Penalties read per-request token counts that the sampler keeps on the device and updates from the ids it has just
 sampled, so a caller's output list may end with placeholders for ids it has not read back yet.
+
+An engine uses it as:
+    sampler = Sampler(vocab_size, device, eos_token_ids, ops)
+    sampler.add_request(request_id, params, prompt_token_ids)         # when the request arrives
+    step = sampler.sample(logits, [SampleRow(request_id, params, output_token_ids, prompt_token_ids), ...])
+    step.start_copy()                                                 # then prepare the next step on the host
+    host = step.result()                                              # ids and logprobs: the one sync
+    sampler.remove_request(request_id)                                # when it finishes or is aborted
 """
 from __future__ import annotations
 
