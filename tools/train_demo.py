@@ -372,6 +372,7 @@ def main(argv: list[str] | None = None) -> demo_release.TrainingSummary:
 
     # write the checkpoint, then evaluate what was written
     model.eval()
+    torch.set_float32_matmul_precision("highest")            # the held-out numbers in float32, not TF32
     held = demo_release.write_checkpoint(model.state_weights(), config, out)
     demo_release.write_generation_config(config, out)
     checkpoint_model = DemoModel(config, held).to(device)
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> demo_release.TrainingSummary:
     target_bytes = _byte_lengths(encoding, config.vocab_size)[heldout[:, 1:].flatten()].sum().item()
     heldout_metrics = {"loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens,
                        "bits_per_byte": loss * num_tokens / math.log(2) / max(1, target_bytes)}
-    samples = _samples(checkpoint_model, encoding, config, device, max_tokens=2 if args.smoke else 120)
+    samples = _samples(checkpoint_model, encoding, config, device, max_tokens=2 if args.smoke else 80)
     golden = write_golden(out, config, encoding, heldout[0, : GOLDEN_WINDOW + 1])
     check = engine_check(out, golden)
     print(f"[train_demo] engine check: {check}", file=sys.stderr)
