@@ -154,3 +154,39 @@ def markdown(report: Report) -> str:
     if report.capture_errors:
         lines += ["", "Op calls that raised before any launch:", ""] + [f"- {e}" for e in report.capture_errors]
     return "\n".join(lines) + "\n"
+
+
+def print_offline_choice(backend: str, arch: str, config, dtype: torch.dtype, tp: int, ep: int) -> int:
+    """`python -m k3core.backends --arch`: the provider of every op on `arch` and what its launches use there;
+    1 when a launch fails to compile or does not fit."""
+    import os  # noqa: PLC0415
+
+    from backends.offline import offline_target  # noqa: PLC0415
+    from backends.offline_cases import model_shape  # noqa: PLC0415
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("error: unset TRITON_INTERPRET: --arch compiles the kernels, which the interpreter replaces")
+        return 2
+    target = offline_target(arch)
+    if backend not in ("auto", target.backend):
+        print(f"error: {arch} is served by the {target.backend} backend, not {backend}; pass --backend "
+              f"{target.backend}")
+        return 2
+    shape = model_shape(config, tp, ep)
+    report = compile_report(target, [shape], [dtype])
+    print(f"model: {shape.name}   dtype: {DTYPE_NAMES.get(dtype, dtype)}   offline target: {arch} ({target.device}), "
+          f"{target.shared_bytes // 1024} KiB {'LDS' if target.vendor == 'amd' else 'shared memory'}   "
+          f"backend: {target.backend}")
+    for op, provider in report.providers.items():
+        rows = [row for row in report.rows if row.op == op]
+        print(f"{op:20} -> {provider}" + ("" if rows or ".triton." not in provider else "   (no launch at these shapes)"))
+        for row in sorted(rows, key=lambda r: r.launch.kernel):
+            r = row.result.resources
+            used = (f"{r.registers} registers, {r.scratch_bytes} B scratch, {r.shared_bytes / 1024:.1f} KiB shared, "
+                    f"occupancy {r.occupancy}") if r else "no binary"
+            status = f"FAIL: {row.result.error}" if row.result.failed else "ok"
+            print(f"    {row.launch.kernel:32} {row.launch.describe()}: {used}: {status}")
+    for error in report.capture_errors:
+        print(f"    FAIL: {error}")
+    print(f"{len(report.rows)} distinct launches compiled in {report.seconds:.0f} s; "
+          + (f"{len(report.failures)} cannot run" if report.failures else "every one compiles and fits"))
+    return 1 if report.failures else 0

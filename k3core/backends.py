@@ -1,8 +1,11 @@
-"""`python -m k3core.backends [--backend cuda|rocm|torch|auto] [--model PRESET] [--dtype bf16]`
+"""`python -m k3core.backends [--backend cuda|rocm|torch|auto] [--model PRESET] [--dtype bf16] [--arch gfx942]`
 
 Prints the provider chosen for every op and every rejected candidate with its reasons (the same selection the
 engine makes once at start), then the facts of the device. With `--backend cuda` on a machine without an
 NVIDIA GPU every cuda provider is listed as rejected and the torch reference is shown as the fallback.
+
+With `--arch` (gfx942, gfx950, sm_90, sm_100) no GPU is needed: the provider each op would get on that GPU is listed
+with the resources of every kernel launch it makes for the model, compiled offline (`backends.offline`).
 """
 from __future__ import annotations
 
@@ -35,12 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", type=parse_dtype, help="activation dtype (bf16, fp16, fp32, fp64)")
     parser.add_argument("--no-fallback", action="store_true",
                         help="fail instead of falling back to the torch reference when no provider can serve an op")
+    parser.add_argument("--arch", default="", help="offline: the GPU architecture to compile for (gfx942, gfx950, "
+                                                    "sm_90, sm_100); no GPU needed")
+    parser.add_argument("--tp", type=int, default=1, help="--arch: the tensor-parallel split of the model's heads")
+    parser.add_argument("--ep", type=int, default=1, help="--arch: the expert-parallel split of its experts")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.model)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.arch:
+        from backends.offline_report import print_offline_choice  # noqa: PLC0415  (imports triton)
+        return print_offline_choice(args.backend, args.arch, config, args.dtype, args.tp, args.ep)
     backend = resolve_backend(args.backend)
     spec = OpSpec(config=config, dtype=args.dtype, device=default_device(backend))
     print(f"model: {config.name}   dtype: {str(args.dtype).removeprefix('torch.')}   device: {spec.device}   "
