@@ -92,13 +92,16 @@ def tiny():
 def _spy_logits(llm, monkeypatch) -> list[tuple[str, int, torch.Tensor]]:
     """Record (request id, sampled token, logits it was sampled from) for every sampled token."""
     seen = []
-    original = llm.engine._append_token
+    sampler = llm.engine.sampler
+    original = sampler.sample
 
-    def spy(request, token_id, logits):
-        seen.append((request.request_id, token_id, logits.clone()))
-        return original(request, token_id, logits)
+    def spy(logits, rows):
+        sample = original(logits, rows)
+        ids = sample.token_ids.tolist()          # a sync the engine itself avoids: tests only
+        seen.extend((row.request_id, ids[i], logits[i].clone()) for i, row in enumerate(rows))
+        return sample
 
-    monkeypatch.setattr(llm.engine, "_append_token", spy)
+    monkeypatch.setattr(sampler, "sample", spy)
     return seen
 
 

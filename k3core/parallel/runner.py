@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from k3core.model.batch import SeqWork, build_forward_batch
+from k3core.model.batch import FutureTokens, SeqWork, build_forward_batch
 from k3core.model.network import Network, Stream
 from k3core.parallel.comm import SINGLE, Communicator
 
@@ -39,10 +39,13 @@ class ModelRunner:
         """Tokens per page as the scheduler and the radix cache count them."""
         return self.page_size * self.plan.dcp
 
-    def forward(self, work: Sequence[SeqWork], state) -> torch.Tensor | None:
-        """Logits [R, V] on the last stage (rows in `work` order), None elsewhere."""
+    def forward(self, work: Sequence[SeqWork], state, future: FutureTokens | None = None) -> torch.Tensor | None:
+        """Logits [R, V] on the last stage (rows in `work` order), None elsewhere. `future` (one device only): input
+        tokens the previous step sampled and the host has not read yet."""
+        if future is not None and not self.plan.is_single:
+            raise ValueError("device-resolved input tokens (overlapped steps) need the whole model on one device")
         if self.plan.pp == 1:
-            return self.network.forward(self._batch(work), state)
+            return self.network.forward(self._batch(work, future), state)
         micro = [work] if all(len(w.new_token_ids) == 1 for w in work) else _split_work(work, self.pipeline_chunks)
         pending, logits = [], []
         for part in micro:
@@ -66,8 +69,8 @@ class ModelRunner:
         return self.comm.broadcast_object(tokens, src=self.sampler_rank)
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def _batch(self, work: Sequence[SeqWork]):
-        return build_forward_batch(work, self.page_size, self.device, self.dcp_size, self.dcp_rank)
+    def _batch(self, work: Sequence[SeqWork], future: FutureTokens | None = None):
+        return build_forward_batch(work, self.page_size, self.device, self.dcp_size, self.dcp_rank, future)
 
     def _peer(self, stage: int) -> int:
         return stage * self.plan.stage_size + self.stage_rank
@@ -107,8 +110,10 @@ def _split_work(work: Sequence[SeqWork], chunks: int) -> list[list[SeqWork]]:
         starts = list(range(0, len(tokens), size))
         for index, start in enumerate(starts):
             last = index == len(starts) - 1
-            pieces[index].append(SeqWork(tokens[start: start + size], item.prefix_len + start, item.slot_position,
-                                         item.page_positions, item.want_logits if last else "none"))
+            piece = tokens[start: start + size]
+            snapshots = [(n - start, slot) for n, slot in item.snapshots if start < n <= start + len(piece)]
+            pieces[index].append(SeqWork(piece, item.prefix_len + start, item.slot_position, item.page_positions,
+                                         item.want_logits if last else "none", snapshots))
     return [p for p in pieces if p]
 
 
