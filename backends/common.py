@@ -29,6 +29,7 @@ TRITON_TARGETS: dict[str, str] = {
     "mla_decode": "kernels.triton.mla_decode:mla_decode",
     "moe_route": "kernels.triton.moe_route:moe_route",
     "moe_experts": "kernels.triton.moe_experts:moe_experts",
+    "moe_experts_mxfp4": "kernels.triton.moe_mxfp4:moe_experts_mxfp4",
     "attn_res_read": "kernels.triton.attn_res:attn_res_read",
 }
 # `sample` has no Triton kernel: its torch reference runs on the GPU as it is (see `register_torch_device_sample`).

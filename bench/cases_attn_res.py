@@ -1,4 +1,4 @@
-"""AttnRes read benchmark (issue 6, target 6): 9 candidates of 7168 per token (8 sealed blocks + the live sum),
+"""AttnRes read benchmark (target: 70% of copy): 9 candidates of 7168 per token (8 sealed blocks + the live sum),
 our one-pass Triton read against the naive PyTorch reference (float32 upcast, several kernels) in bf16."""
 from __future__ import annotations
 

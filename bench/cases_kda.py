@@ -1,4 +1,4 @@
-"""KDA benchmark cases (issue 6, targets 1 and 2): chunked prefill vs fla `chunk_kda`, decode vs fla
+"""KDA benchmark cases: chunked prefill vs fla `chunk_kda`, decode vs fla
 `fused_recurrent_kda`, both on K3's per-GPU shape at TP8 (12 heads, K = V = 128, float32 state, lower-bounded gate).
 """
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _retime_alternately(ctx: BenchContext, row: Row, time_ours, time_anchor) -> 
 
 
 def fla_prefill(x: PrefillInputs):
-    """fla's chunk_kda on the same inputs, as a zero-argument call (the anchor of target 1)."""
+    """fla's chunk_kda on the same inputs, as a zero-argument call (the prefill anchor)."""
     from fla.ops.kda import chunk_kda  # noqa: PLC0415  (vendor package: imported only when it is the anchor)
     options = dict(scale=x.scale, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True,
                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,

@@ -1,4 +1,4 @@
-"""MLA benchmark cases (issue 6, targets 3 and 4): absorbed decode over the paged 576-wide latent (vs the naive
+"""MLA benchmark cases: absorbed decode over the paged 576-wide latent (vs the naive
 PyTorch reference run in bf16 in the same process), and causal prefill with 192/128 heads (vs cuDNN SDPA).
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""LatentMoE expert benchmark (issue 6, target 5): our Triton `moe_experts` and the `torch._grouped_mm` provider
+"""LatentMoE expert benchmark: our Triton `moe_experts` and the `torch._grouped_mm` provider
 against the bare grouped GEMMs on the same routed rows, and the routed path of a whole layer against its GEMMs.
 
 Shape: one rank at TP8 holding 112 experts, top-16 over them, 1024 tokens = 16384 routed rows, experts working in
-the 3584-wide latent with expert width 3072 and SiTU-GLU. The layer row is the whole layer on that rank, as target 5
-words it: router GEMM, routing, latent down projection, the experts through the cuda backend's default provider
+the 3584-wide latent with expert width 3072 and SiTU-GLU. The layer row is the whole layer on that rank, as the
+layer target counts it: router GEMM, routing, latent down projection, the experts through the grouped_mm provider
 (torch._grouped_mm where it runs, else the Triton kernels), the latent RMSNorm, the up projection and the shared
 expert (intermediate 2 x 3072 split over TP8: 768 per rank). Its anchor is the sum of its seven GEMMs, each timed
 alone: the two grouped expert GEMMs, router, latent down and up, shared gate/up and down.
@@ -121,7 +121,7 @@ def _layer_row(ctx: BenchContext, s: dict, latent_x, w13, w2, gemm_ms, gemm_unav
     w_shared13 = ctx.randn(2 * shared, hidden_dim, scale=hidden_dim ** -0.5)       # [2S, H]
     w_shared2 = ctx.randn(hidden_dim, shared, scale=shared ** -0.5)                # [H, S]
     norm_weight = 1.0 + ctx.randn(latent, scale=0.1)
-    # the cuda backend's default: the grouped_mm provider ranks above the Triton kernels where it runs (bf16, sm90+)
+    # the grouped_mm provider where it runs (bf16, sm90+), else the Triton kernels
     use_grouped_mm = not gemm_unavailable and ctx.dtype == torch.bfloat16
     experts_target = ("backends.cuda.grouped_mm:moe_experts" if use_grouped_mm
                       else "kernels.triton.moe_experts:moe_experts")
@@ -178,7 +178,7 @@ def _layer_row(ctx: BenchContext, s: dict, latent_x, w13, w2, gemm_ms, gemm_unav
         dense_ms = {name: ctx.timer.time(fn).ms for name, fn in dense.items()}
         row.anchor_ms = gemm_ms + sum(dense_ms.values())
         parts = ", ".join(f"{name} {ms:.3f}" for name, ms in dense_ms.items())
-        row.notes = (f"ratio = sum of the layer's GEMMs / whole layer (target 5: >= 1/1.3 = 0.77). GEMMs in ms: "
+        row.notes = (f"ratio = sum of the layer's GEMMs / whole layer (target: >= 1/1.3 = 0.77). GEMMs in ms: "
                      f"expert pair {gemm_ms:.3f}, {parts}; the layer over its expert GEMMs alone: "
                      f"{row.ours_ms / gemm_ms:.2f}x")
     return row

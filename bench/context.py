@@ -64,7 +64,7 @@ def fla_unavailable(ctx: BenchContext) -> str:
         importlib.import_module("fla.ops.kda")
     except Exception as exc:
         return (f"fla.ops.kda cannot be imported ({type(exc).__name__}: {str(exc)[:100]}); install "
-                ".whl/fla_core-0.6.0-py3-none-any.whl as scripts/gpu_bench.sh does")
+                ".whl/fla_core-0.6.0-py3-none-any.whl as scripts/gpu.sh kernels does")
     return ""
 
 

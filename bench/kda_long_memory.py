@@ -5,7 +5,7 @@ beside fla-core 0.6.0 `chunk_kda`, on the conformance suite's own inputs.
     TRITON_INTERPRET=1 python -m bench.kda_long_memory --smoke   # CPU plumbing check (float32, no fla)
 
 Why: the conformance case `kda_prefill[long-memory-varlen-ckpt32]` (dt_bias -8: the state decays by ~2e-3 per
-token, so chunk after chunk adds to it) missed the bfloat16 state tolerance on an H200 (2026-11-30: worst 1.17x
+token, so chunk after chunk adds to it) missed the short-memory bfloat16 state tolerance on an H200 (worst 1.17x
 the bound), while every short-memory case passes. Both implementations round the chunk intermediates (W, U, the
 decayed keys) and the state tile of each chunk's products to bfloat16, so the question this answers is whether
 that error is ours or the algorithm's: fla's error on the very same rounded inputs is the yardstick.

@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 6): every k3core kernel against its anchor, in one process, on the same inputs.
+"""Kernel benchmark: every k3core kernel against its anchor, in one process, on the same inputs.
 
     python -m bench.kernels                          # all cases on the GPU -> bench/results/kernels-<device>.*
     python -m bench.kernels --only kda_prefill,mla_decode

@@ -1,4 +1,4 @@
-"""Whole-model benchmark (issue #6 target 7): one model on one GPU, the cuda backend beside the torch backend.
+"""Whole-model benchmark: one model on one GPU, the cuda backend beside the torch backend.
 
     python -m bench.model_bench --model k3-mini [--out DIR]
     TRITON_INTERPRET=1 python -m bench.model_bench --smoke      # k3-tiny on the CPU, no graphs: plumbing only
@@ -13,8 +13,8 @@ Random bf16 weights from the preset, one model in one process; the op table is s
    read and written, the MLA latents of the context) over the measured copy bandwidth (bench/timing.py).
    (b) prefill of one 8K prompt, chunked as the engine chunks it (EngineOptions.chunked_prefill_tokens).
    (c) decode with 64 concurrent requests at 8K context, graph-replayed for cuda.
-   They run (b), (c), (a): after (a)'s timings its graph's kernels are ranked by time (bench.kernel_profile), and a
-   profiler session slows what comes after it.
+   They run (b), (c), (a): after (a)'s timings its graph's kernels are ranked by time (tools.tune.kernel_profile),
+   and a profiler session slows what comes after it.
 Decode cost does not depend on what the state holds, so (a) and (c) fill the KDA states and MLA pages with random
 values instead of prefilling them. The torch backend runs eagerly only: its moe_experts reference reads the
 per-expert counts on the host (`.tolist()`), which no graph can capture.
@@ -34,8 +34,6 @@ from pathlib import Path
 import torch
 
 from bench.context import make_context
-from bench.kernel_profile import markdown as kernel_profile_markdown
-from bench.kernel_profile import profile_kernels
 from bench.report import environment
 from bench.timing import measure_ceilings
 from conformance.model_check import BF16_FACTOR, BF16_FLOOR, TOLERANCE, relative_error
@@ -48,6 +46,8 @@ from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.graph_decode import GraphDecode
 from k3core.model.network import Network
 from k3core.model.weights import expected_tensors, init_random_weights
+from tools.tune.kernel_profile import markdown as kernel_profile_markdown
+from tools.tune.kernel_profile import profile_kernels
 
 PAGE_SIZE = 16
 GRAPH_REPLAY_TOL = 1e-3       # same kernels on the same inputs; cuBLAS may pick another algorithm under capture
@@ -198,7 +198,7 @@ def _graph_replay_check(config, network, prompt: list[int], dtype, device, smoke
 def bench_decode(ctx, network, ops: dict, config, num_seqs: int, context_len: int, generator, rows: list,
                  floor_ms: float | None = None, profiles: dict | None = None) -> None:
     """Eager and graph-replayed decode steps of `num_seqs` sequences; with `profiles`, the replayed step's kernels
-    are also ranked by time (bench.kernel_profile) under the row's label."""
+    are also ranked by time (tools.tune.kernel_profile) under the row's label."""
     pool, sequences = make_pool(config, ctx.dtype, ctx.device, num_seqs, context_len)
     fill_random(pool, sequences, generator)
     work = decode_work(pool, sequences, context_len)

@@ -1,6 +1,6 @@
-"""Parallel plans on several GPUs over NCCL (issue 8): tokens identical to one GPU, then prefill and decode speed.
+"""Parallel plans on several GPUs over NCCL: tokens identical to one GPU, then prefill and decode speed.
 
-    python -m bench.parallel_bench --out DIR                 # on a 2-GPU machine (scripts/gpu_parallel.sh)
+    python -m bench.parallel_bench --out DIR                 # on a 2-GPU machine (scripts/gpu.sh parallel)
     python -m bench.parallel_bench --smoke --out DIR         # CPU processes over gloo, k3-tiny: plumbing only
 
 Sections, each written to DIR as soon as it finishes (a later timeout keeps the earlier ones):

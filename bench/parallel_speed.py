@@ -1,4 +1,4 @@
-"""The speed half of bench.parallel_bench (issue 8): k3-mini prefill and decode per plan, and the exposed communication
+"""The speed half of bench.parallel_bench: k3-mini prefill and decode per plan, and the exposed communication
 of a prefill measured against the same prefill with the plan's collectives swapped for no-ops (see `_NoComm`).
 `python -m bench.parallel_bench` drives it after the correctness section; this module has no entry point."""
 from __future__ import annotations

@@ -20,8 +20,8 @@ SWEEP_WARMUP_MS, SWEEP_REP_MS = 5, 25   # the tuning sweeps' shorter budget (hun
 MAX_INPUT_SETS = 32     # cap on rotated input sets (each costs memory and, for graphs, capture time)
 # A timed graph makes at least this many calls (cycling through the input sets), so that the graph's own launch and
 # the dirty lines do_bench's L2 flush leaves before every replay are shared by 8 calls, as a decode step's graph
-# shares them among its many kernels. Up to 2026-11-29 a graph made one pass over the sets (1-2 calls for inputs of
-# 100+ MB); the decode rows record that reading too.
+# shares them among its many kernels. The decode rows also record the one-pass reading (1-2 calls for inputs of
+# 100+ MB), which earlier results used.
 GRAPH_MIN_CALLS = 8
 DEFAULT_L2_BYTES = 50 * 2**20   # H100/H200 L2, used when torch does not report it
 
@@ -127,16 +127,16 @@ class Timer:
 
     def single_pass_note(self, ours: Sequence[Callable[[], object]],
                          anchor: Sequence[Callable[[], object]] | None = None) -> str:
-        """The same calls timed the way graphs were timed up to 2026-11-29 (one pass over the input sets per
-        replay), for a row's notes, so that old and new readings can be set side by side."""
-        text = f"one pass of the sets per replay (the method up to 2026-11-29): ours {self.time_graph(ours, 1).ms:.4f}"
+        """The same calls timed with one pass over the input sets per replay (how earlier results timed graphs),
+        for a row's notes, so that old and new readings can be set side by side."""
+        text = f"one pass of the sets per replay (as earlier results): ours {self.time_graph(ours, 1).ms:.4f}"
         if anchor:
             text += f", anchor {self.time_graph(anchor, 1).ms:.4f}"
         return text + " ms"
 
 
 def sweep_timer(device: torch.device) -> Timer:
-    """The same policy with the sweeps' shorter do_bench budget (bench.tune_decode, bench.tune_prefill)."""
+    """The same policy with the sweeps' shorter do_bench budget (tools.tune.tune_decode, tools.tune.tune_prefill)."""
     return Timer(device, SWEEP_WARMUP_MS, SWEEP_REP_MS, "do_bench median (sweep budget)")
 
 

@@ -179,8 +179,9 @@ def build_mla_decode(p: dict, gen: torch.Generator) -> OpCall:
 
 def build_moe_route(p: dict, gen: torch.Generator) -> OpCall:
     bias = _randn(gen, p["E"], scale=0.1) if p["bias"] else None
+    grouping = dict(num_expert_group=p["groups"], topk_group=p["topk_group"]) if "groups" in p else {}
     return OpCall(dict(logits=_randn(gen, p["T"], p["E"], scale=2.0), correction_bias=bias, top_k=p["top_k"],
-                       scoring=p["scoring"], renormalize=p["renormalize"], routed_scaling_factor=2.5),
+                       scoring=p["scoring"], renormalize=p["renormalize"], routed_scaling_factor=2.5, **grouping),
                   frozenset({"logits", "correction_bias"}), {})
 
 
@@ -196,6 +197,42 @@ def build_moe_experts(p: dict, gen: torch.Generator) -> OpCall:
                        expert_offset=offset), frozenset({"weights"}), {})
 
 
+def build_moe_experts_mxfp4(p: dict, gen: torch.Generator) -> OpCall:
+    """Random MXFP4 bytes (every code, -0 included) with scales near 127. p["uneven"]: expert 0 gets no rows,
+    expert 1 exactly one, the rest many. p["extremes"]: scale bytes 254 and 255 (read as 254) on the first 32
+    columns of W13, with codes of magnitude <= 1.5 there (2 * 2^127 overflows float32 and bf16) and x of magnitude
+    2^-126 (1 + |N(0, 1)|) in those columns (normal floats) so that the products stay O(1); scale byte 0 (2^-127) on scattered blocks of both
+    weights, so that a wrong decode of either extreme shows in the output."""
+    tokens, width, inter, experts, top_k, offset = p["T"], p["D"], p["I"], p["E"], p["top_k"], p.get("offset", 0)
+    global_experts = experts + offset + p.get("foreign_after", 0)
+    if p.get("uneven"):
+        expert_ids = offset + 2 + torch.rand(tokens, experts - 2, generator=gen).topk(top_k, dim=-1).indices
+        expert_ids[min(7, tokens - 1), -1] = offset + 1                     # expert 1's one row; expert 0 none
+    else:
+        expert_ids = torch.rand(tokens, global_experts, generator=gen, dtype=torch.float64).topk(top_k, -1).indices
+
+    def mxfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # codes have rms ~3: 2^(-log2(cols)/2 - 1) brings each row to the 1/sqrt(fan_in) of the bf16 case
+        base = 127 - round(math.log2(cols) / 2) - 1
+        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.uint8)
+        scale = torch.randint(base - 1, base + 2, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
+        if p.get("extremes"):
+            scale[torch.rand(scale.shape, generator=gen) < 0.1] = 0
+        return packed, scale
+
+    w13_packed, w13_scale = mxfp4(2 * inter, width)
+    w2_packed, w2_scale = mxfp4(width, inter)
+    x = _randn(gen, tokens, width)
+    if p.get("extremes"):
+        w13_packed[:, :, :16] &= 0xBB                                       # magnitude index <= 3 in both nibbles
+        w13_scale[:, :, 0] = torch.where(torch.rand(experts, 2 * inter, generator=gen) < 0.5, 254, 255).to(torch.uint8)
+        x[:, :32] = x[:, :32].sign() * (1 + x[:, :32].abs()) * 2.0 ** -126     # normal floats, products O(1)
+    return OpCall(dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
+                       weights=torch.rand(tokens, top_k, generator=gen, dtype=torch.float64),
+                       expert_ids=expert_ids, activation=p["activation"], situ_beta=4.0, situ_linear_beta=25.0,
+                       expert_offset=offset), frozenset({"weights"}), {})
+
+
 def build_attn_res_read(p: dict, gen: torch.Generator) -> OpCall:
     tokens, slots, width = p["T"], p["S"], p["D"]
     bank = _randn(gen, tokens, slots, width)
@@ -205,16 +242,33 @@ def build_attn_res_read(p: dict, gen: torch.Generator) -> OpCall:
 
 
 def build_sample(p: dict, gen: torch.Generator) -> OpCall:
-    # Only settings whose answer does not depend on the random stream: greedy, top_k 1, a tiny top_p, min_p 1.
+    # The draw is a hash of (seed, position, token id), so every setting has one right answer: greedy, a tie,
+    # plain temperature, top_k, top_p, min_p and their mixes. p["filters"]: "top_k" (every filtering row has a
+    # top_k: the top-k path), "any" (top_p / min_p rows without top_k: the full sort), "none" (no filter).
     rows, vocab = p["B"], p["V"]
-    modes = [(0.0, 0, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.3, 0, 1e-9, 0.0), (0.9, 0, 1.0, 1.0)]
+    modes = {"none": [(0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (1.7, 0, 1.0, 0.0)],
+             "top_k": [(0.0, 0, 1.0, 0.0), (0.7, 1, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.3, 7, 0.8, 0.0),
+                       (0.9, 3, 1.0, 0.4), (1.0, 0, 1.0, 0.0)],
+             "any": [(0.0, 0, 1.0, 0.0), (1.3, 0, 1e-9, 0.0), (0.9, 0, 1.0, 1.0), (1.0, 0, 0.9, 0.0),
+                     (1.0, 0, 1.0, 0.05), (0.8, 40, 0.95, 0.02), (1.0, 0, 1.0, 0.0)]}[p["filters"]]
     chosen = [modes[i % len(modes)] for i in range(rows)]
-    return OpCall(dict(logits=_randn(gen, rows, vocab, scale=3.0),
+    logits = _randn(gen, rows, vocab, scale=3.0)
+    logits[0, vocab // 2] = logits[0, vocab // 3] = logits[0].max() + 1.0        # a greedy tie: the lower id wins
+    sampled = [m for m in chosen if m[0] >= 1e-5]
+    if p["filters"] == "none":
+        width = 0
+    elif all(0 < m[1] < vocab for m in sampled if (m[1], m[2], m[3]) != (0, 1.0, 0.0)):
+        width = max(m[1] for m in sampled)
+    else:
+        width = vocab
+    return OpCall(dict(logits=logits,
                        temperature=torch.tensor([m[0] for m in chosen], dtype=torch.float64),
                        top_k=torch.tensor([m[1] for m in chosen], dtype=torch.int64),
                        top_p=torch.tensor([m[2] for m in chosen], dtype=torch.float64),
                        min_p=torch.tensor([m[3] for m in chosen], dtype=torch.float64),
-                       generators=[None] * rows),
+                       seeds=torch.randint(-2 ** 63, 2 ** 63 - 1, (rows,), generator=gen, dtype=torch.int64),
+                       positions=torch.randint(0, 5000, (rows,), generator=gen, dtype=torch.int64),
+                       filter_width=width),
                   frozenset({"logits", "temperature", "top_p", "min_p"}), {})
 
 
@@ -286,6 +340,8 @@ def _cases() -> list[Case]:
         renormalize=True)
     add("moe_route", "softmax-T15-E8-k2", "quick", T=15, E=8, top_k=2, scoring="softmax", bias=False,
         renormalize=False)
+    add("moe_route", "grouped-G4-keep2-T65-E16-k4", "quick", T=65, E=16, top_k=4, scoring="sigmoid", bias=True,
+        renormalize=True, groups=4, topk_group=2)
     add("moe_route", "sigmoid-T1000-E256-k8", "full", T=1000, E=256, top_k=8, scoring="sigmoid", bias=True,
         renormalize=True)
     add("moe_experts", "silu-T15-E4-k2", "quick", T=15, D=32, I=16, E=4, top_k=2, activation="silu")
@@ -293,11 +349,21 @@ def _cases() -> list[Case]:
         foreign_after=4)
     add("moe_experts", "empty-batch", "quick", T=0, D=32, I=16, E=4, top_k=2, activation="silu")
     add("moe_experts", "silu-T1000-E16-k4", "full", T=1000, D=256, I=128, E=16, top_k=4, activation="silu")
+    add("moe_experts_mxfp4", "situ-uneven-T40-D96-I64-E5-k2", "quick", T=40, D=96, I=64, E=5, top_k=2,
+        activation="situ", uneven=True)
+    add("moe_experts_mxfp4", "silu-extremes-EP-T15-D96-I96-E4-k3", "quick", T=15, D=96, I=96, E=4, top_k=3,
+        activation="silu", offset=4, foreign_after=4, extremes=True)
+    add("moe_experts_mxfp4", "empty-batch", "quick", T=0, D=64, I=32, E=4, top_k=2, activation="silu")
+    add("moe_experts_mxfp4", "situ-T1000-D256-I192-E16-k4", "full", T=1000, D=256, I=192, E=16, top_k=4,
+        activation="situ", extremes=True)
     add("attn_res_read", "T15-S4-valid2", "quick", T=15, S=4, num_valid=2, D=64)
     add("attn_res_read", "T1-S3-valid0", "quick", T=1, S=3, num_valid=0, D=64)
     add("attn_res_read", "T1000-S9-valid8", "full", T=1000, S=9, num_valid=8, D=512)
-    add("sample", "B8-V50", "quick", B=8, V=50)
-    add("sample", "B64-V32000", "full", B=64, V=32000)
+    add("sample", "B8-V50", "quick", B=8, V=50, filters="top_k")
+    add("sample", "B7-V50-sort", "quick", B=7, V=50, filters="any")
+    add("sample", "B3-V33-unfiltered", "quick", B=3, V=33, filters="none")
+    add("sample", "B64-V32000", "full", B=64, V=32000, filters="top_k")
+    add("sample", "B64-V32000-sort", "full", B=64, V=32000, filters="any")
     return out
 
 

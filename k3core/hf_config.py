@@ -26,6 +26,7 @@ SUPPORTED_MODEL_TYPES = ("kimi_linear", "kimi_k3")
 # builds the same network transformers would build from the same file.
 _KDA_DEFAULTS = {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}
 _LAYER_KINDS = {"linear_attention": "kda", "full_attention": "mla"}
+MXFP4_FORMAT = "mxfp4-pack-quantized"
 _MLP_KINDS = {"dense": "dense", "sparse": "moe", "moe": "moe"}
 
 
@@ -61,13 +62,39 @@ def parse_hf_config(data: dict[str, Any], name: str = "custom") -> ModelConfig:
         text = data
     fields = _parse_text(text)
     fields["name"] = name
-    fields["extra"] = {"hf_model_type": model_type, "quantization_config": text.get("quantization_config"),
+    quantization = text.get("quantization_config") or data.get("quantization_config")
+    fields["expert_format"] = "mxfp4" if is_mxfp4_quantization(quantization) else "bf16"
+    fields["extra"] = {"hf_model_type": model_type, "quantization_config": quantization,
                        "eos_token_ids": _as_id_list(text.get("eos_token_id")),
                        "num_nextn_predict_layers": int(text.get("num_nextn_predict_layers") or 0)}
     try:
         return ModelConfig(**fields)
     except TypeError as exc:  # a field of the wrong type that validate() cannot even compare
         raise ConfigError(f"invalid Hugging Face config: {exc}") from None
+
+
+def is_mxfp4_quantization(quantization: Any) -> bool:
+    """Whether a `quantization_config` says compressed-tensors `mxfp4-pack-quantized` (K3's routed experts)."""
+    if not isinstance(quantization, dict):
+        return False
+    groups = quantization.get("config_groups") or {}
+    formats = [quantization.get("format")] + [g.get("format") for g in groups.values() if isinstance(g, dict)]
+    return MXFP4_FORMAT in formats
+
+
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """The `quantization_config` of a checkpoint whose routed experts are MXFP4, in the published K3's layout:
+    compressed-tensors, 4-bit float weights in groups of 32 with uint8 (E8M0) scales, no activation quantisation,
+    everything but the routed experts ignored."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}, "scale_dtype": "torch.uint8", "zp_dtype": None}
+    return {"quant_method": "compressed-tensors", "format": MXFP4_FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"format": MXFP4_FORMAT, "targets": ["Linear"], "weights": weights,
+                                          "input_activations": None, "output_activations": None}},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "lm_head", "re:vision_tower.*", "re:mm_projector.*"],
+            "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -215,12 +242,9 @@ def _mla(text: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe(text: dict[str, Any]) -> dict[str, Any]:
+    # transformers' Kimi-Linear router always runs the grouped top-k, whatever `use_grouped_topk` says
     groups = _int(text, "num_expert_group", "n_group", default=1)
     topk_group = _int(text, "topk_group", default=1)
-    if groups != 1:
-        raise _fail("num_expert_group", f"is {groups}; only the degenerate single-group top-k is supported")
-    if topk_group != 1:
-        raise _fail("topk_group", f"is {topk_group}; only the degenerate single-group top-k is supported")
     scoring = text.get("moe_router_activation_func", "sigmoid")
     if scoring not in ("sigmoid", "softmax"):
         raise _fail("moe_router_activation_func", f"got {scoring!r}; expected 'sigmoid' or 'softmax'")
@@ -239,6 +263,8 @@ def _moe(text: dict[str, Any]) -> dict[str, Any]:
         "routed_scaling_factor": float(_first(text, "routed_scaling_factor", default=1.0)),
         "moe_latent_size": latent,
         "moe_latent_norm": bool(text.get("latent_moe_use_norm", False)),
+        "num_expert_group": groups,
+        "topk_group": topk_group,
     }
 
 
@@ -264,8 +290,8 @@ def k3_config_dict(config: ModelConfig) -> dict[str, Any]:
         "moe_router_activation_func": config.router_scoring,
         "topk_method": "noaux_tc" if config.router_correction_bias else "greedy",
         "use_grouped_topk": True,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        "num_expert_group": config.num_expert_group,
+        "topk_group": config.topk_group,
         "moe_renormalize": config.moe_renormalize,
         "routed_scaling_factor": config.routed_scaling_factor,
         "num_attention_heads": config.mla_num_heads,
@@ -299,6 +325,8 @@ def k3_config_dict(config: ModelConfig) -> dict[str, Any]:
         text["latent_moe_use_norm"] = config.moe_latent_norm
     if config.attn_res:
         text["attn_res_block_size"] = config.attn_res_block_size
+    if config.expert_format == "mxfp4":
+        text["quantization_config"] = mxfp4_quantization_config()
     ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], **ids,
             "tie_word_embeddings": config.tie_word_embeddings, "dtype": "bfloat16", "text_config": {**text, **ids}}

@@ -90,6 +90,8 @@ class LLM:
         self.plan.check(self.config)
         self.rank = rank
         self.is_random = str(model) in list_presets() or Path(str(model)).suffix in (".yaml", ".yml")
+        from k3core.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(model, self.config)       # before the weights: a bad tokenizer fails fast
         # Random preset weights are drawn on this rank's device, whatever the plan, so every rank draws the numbers a
         # single-device run of the same seed draws (CPU and CUDA generators differ), and a GPU rank never builds the
         # whole model in host memory. A checkpoint under a plan is read to the host, sharded, and only this rank's
@@ -114,8 +116,6 @@ class LLM:
             del weights                          # the unsharded tensors go now, not when the LLM does
             self.network = Network(local.config, self.weights, self.ops, self.comm, local.layer_ids,
                                    local.expert_offset)
-        from k3core.tokenizer import load_tokenizer
-        self.tokenizer = load_tokenizer(model, self.config)
         self.kv_dtype = self.dtype
         from k3core.engine import Engine, EngineOptions
         options = EngineOptions(**engine_options)

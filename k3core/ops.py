@@ -63,6 +63,9 @@ class RouteOut(NamedTuple):
     expert_ids: torch.Tensor  # [T, top_k] int64
 
 
+GREEDY_TEMPERATURE = 1e-5    # `sample`: a row whose temperature is below this is greedy
+
+
 OPS: tuple[OpInfo, ...] = (
     OpInfo("rms_norm", "kernels.torch.norm:rms_norm", """
         rms_norm(x [..., D], weight [D], eps) -> [..., D]
@@ -117,22 +120,40 @@ OPS: tuple[OpInfo, ...] = (
         output = weights @ kv[..., :v_dim]. seq_lens[b] >= 1."""),
     OpInfo("moe_route", "kernels.torch.moe:moe_route", """
         moe_route(logits [T, E] float32, correction_bias [E] | None, top_k, scoring, renormalize,
-                  routed_scaling_factor) -> RouteOut
+                  routed_scaling_factor, num_expert_group: int = 1, topk_group: int = 1) -> RouteOut
         scores = sigmoid(logits) (or softmax); choose top_k by scores + bias; weights = scores at the chosen
-        experts, divided by (sum + 1e-20) when renormalize, times routed_scaling_factor."""),
+        experts, divided by (sum + 1e-20) when renormalize, times routed_scaling_factor.
+        num_expert_group > 1 (grouped top-k, DeepSeek-V3 / transformers' Kimi-Linear): the experts form that many
+        contiguous groups, a group scores the sum of its two best (scores + bias), and the top_k are chosen among
+        the experts of the topk_group best groups only (group ties go to the lower group)."""),
     OpInfo("moe_experts", "kernels.torch.moe:moe_experts", """
         moe_experts(x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] float32, expert_ids [T, k],
                     activation, situ_beta, situ_linear_beta, expert_offset: int = 0) -> y [T, D]
         y_t = sum_j weights[t, j] * w2_e (act(w13_e x_t)), e = expert_ids[t, j] - expert_offset; ids outside
         [expert_offset, expert_offset + E) contribute nothing (expert parallelism). Sum in float32."""),
+    OpInfo("moe_experts_mxfp4", "kernels.torch.moe_mxfp4:moe_experts_mxfp4", """
+        moe_experts_mxfp4(x [T, D], w13_packed [E, 2I, D/2] uint8, w13_scale [E, 2I, D/32] uint8,
+                          w2_packed [E, D, I/2] uint8, w2_scale [E, D, I/32] uint8, weights [T, k] float32,
+                          expert_ids [T, k], activation, situ_beta, situ_linear_beta, expert_offset: int = 0)
+                          -> y [T, D] (dtype of x)
+        moe_experts with the expert weights in MXFP4 as the checkpoint stores them (compressed-tensors
+        mxfp4-pack-quantized, k3core.model.mxfp4): W[e, n, k] = e2m1(code) * 2^(scale[e, n, k // 32] - 127), the
+        code of k in byte [e, n, k // 2], low nibble for even k, high nibble for odd k; a code is sign (bit 3) and
+        a magnitude index (bits 0-2) into {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Scale byte 255 (NaN in E8M0) reads as
+        254. D and I are multiples of 32; w13 rows are [gate | up] as in moe_experts. Weights are dequantised
+        per call (never held dense); products in x's dtype, sums in float32."""),
     OpInfo("attn_res_read", "kernels.torch.attn_res:attn_res_read", """
         attn_res_read(bank [T, S_max, D], num_valid: int, live [T, D], query [D] float32, eps) -> [T, D]
         candidates = bank[:, :num_valid] then live; score_j = rsqrt(mean(v_j^2) + eps) * (v_j . query);
         softmax over j; mix of the raw candidates in float32, cast to live.dtype."""),
     OpInfo("sample", "kernels.torch.sampling:sample", """
-        sample(logits [B, V] float32, temperature [B], top_k [B] int (0 = off), top_p [B], min_p [B],
-               generators: list[torch.Generator | None]) -> token_ids int64 [B]
-        temperature 0 means greedy (argmax, lowest index on ties)."""),
+        sample(logits [R, V] any float, temperature [R] float32, top_k [R] int64 (0 = off), top_p [R] float32,
+               min_p [R] float32, seeds [R] int64, positions [R] int64, filter_width: int) -> token_ids int64 [R]
+        temperature < GREEDY_TEMPERATURE: argmax (lowest index on ties). Else Gumbel-max over the tokens top_k,
+        top_p (of the top-k renormalised distribution), min_p (relative to the most likely) keep, in float32,
+        with noise hashed from (seeds[r], positions[r], token id): a row's token never depends on other rows.
+        filter_width (host): how many largest logits per row the filters see (0 = no row filters; >= the largest
+        top_k; V when a row has top_p or min_p without top_k). Device work only, no host sync."""),
 )
 
 OP_NAMES: tuple[str, ...] = tuple(op.name for op in OPS)

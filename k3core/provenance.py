@@ -7,7 +7,7 @@ import subprocess
 
 def commit_under_test() -> str:
     """K3CORE_COMMIT when the caller sets it (the GPU scripts do: the device machine's copy of the tree can carry
-    stale git metadata, and one GPU run reported the session's first commit), else `git rev-parse HEAD` with
+    stale git metadata, so its own `git rev-parse` can name an older commit), else `git rev-parse HEAD` with
     '+dirty' when tracked files are edited, else 'unknown'."""
     if os.environ.get("K3CORE_COMMIT"):
         return os.environ["K3CORE_COMMIT"]

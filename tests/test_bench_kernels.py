@@ -13,7 +13,7 @@ from bench import kernels as bench_kernels
 from bench.report import check
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU path; the GPU run is "
-                                                                   "scripts/gpu_bench.sh")
+                                                                   "scripts/gpu.sh kernels")
 
 
 def _run(tmp_path, only: str) -> dict:

@@ -194,8 +194,8 @@ _DELETE = object()
     ("model_type", "llama", "model_type"),
     ("text_config", _DELETE, "text_config"),
     ("text_config.num_hidden_layers", _DELETE, "num_hidden_layers"),
-    ("text_config.num_expert_group", 4, "num_expert_group"),
-    ("text_config.topk_group", 2, "topk_group"),
+    ("text_config.num_expert_group", 5, "num_expert_group"),      # does not divide the 896 experts
+    ("text_config.topk_group", 2, "topk_group"),                  # more groups to keep than the one there is
     ("text_config.hidden_act", "gelu", "hidden_act"),
     ("text_config.num_key_value_heads", 8, "num_key_value_heads"),
     ("text_config.mla_use_nope", False, "mla_use_nope"),

@@ -1,11 +1,11 @@
-"""bench.kernel_profile's ranking: per-step totals, groups and the busy share from a known list of kernel launches
+"""tools.tune.kernel_profile's ranking: per-step totals, groups and the busy share from a known list of kernel launches
 (the profiler capture itself needs CUDA and runs inside bench.model_bench on the GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.kernel_profile import group_of, markdown, profile_kernels, rank
+from tools.tune.kernel_profile import group_of, markdown, profile_kernels, rank
 
 
 def test_rank_sums_per_step_groups_and_orders_by_time():

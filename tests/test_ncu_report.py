@@ -1,5 +1,5 @@
-"""bench.ncu_report on small exports shaped like Nsight Compute's raw and source pages (the profiler itself runs
-only on the GPU machine, through scripts/gpu_ncu.sh), and bench.ncu_targets' argument check."""
+"""tools.tune.ncu_report on small exports shaped like Nsight Compute's raw and source pages (the profiler itself runs
+only on the GPU machine, through `scripts/gpu.sh tune ncu`), and tools.tune.ncu_targets' argument check."""
 from __future__ import annotations
 
 import csv
@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from bench.ncu_report import main, source_tables, stall_table
+from tools.tune.ncu_report import main, source_tables, stall_table
 
 
 def _csv(rows: list[list[str]]) -> str:
@@ -50,7 +50,7 @@ def test_main_refuses_an_unknown_page(capsys):
 
 
 def test_ncu_targets_names_its_targets_and_refuses_others():
-    from bench.ncu_targets import TARGETS, main as target_main
+    from tools.tune.ncu_targets import TARGETS, main as target_main
     assert {"kda_prefill_b1", "kda_decode_64", "mla_decode_b1"} <= set(TARGETS)
     with pytest.raises(SystemExit):
         target_main(["no_such_kernel"])

@@ -174,18 +174,25 @@ def test_mla_decode_matches_gather_softmax():
 # ------------------------------------------------------------------------------------------ sampling
 
 
+def _draw(logits, temperature, top_k, top_p, min_p, seeds, width=None):
+    rows, vocab = logits.shape
+    full = lambda v, dtype=torch.float32: torch.full((rows,), v, dtype=dtype)  # noqa: E731
+    return sample(logits, full(temperature), full(top_k, torch.int64), full(top_p), full(min_p),
+                  torch.as_tensor(seeds, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),
+                  vocab if width is None else width)
+
+
 def test_sampling_greedy_topk_and_seeds():
     gen = seeded(61)
     logits = torch.randn(6, 50, generator=gen)
     logits[0, [3, 7]] = 100.0                                                # a tie: lowest index wins
-    zeros, ones = torch.zeros(6), torch.ones(6)
-    no_k = torch.zeros(6, dtype=torch.int64)
-    greedy = sample(logits, zeros, no_k, ones, zeros, [None] * 6)
+    seeds = list(range(6))
+    greedy = _draw(logits, 0.0, 0, 1.0, 0.0, seeds)
     assert greedy.dtype == torch.int64 and greedy[0].item() == 3
     assert torch.equal(greedy, logits.argmax(-1))
-    top1 = sample(logits, ones, torch.ones(6, dtype=torch.int64), ones, zeros, [seeded(s) for s in range(6)])
+    top1 = _draw(logits, 1.0, 1, 1.0, 0.0, seeds, width=1)
     assert torch.equal(top1, greedy)
-    draws = [sample(logits, ones * 2, no_k, ones, zeros, [seeded(s) for s in range(6)]) for _ in range(2)]
+    draws = [_draw(logits, 2.0, 0, 1.0, 0.0, seeds, width=0) for _ in range(2)]
     assert torch.equal(draws[0], draws[1]), "the same seeds must give the same tokens"
 
 
@@ -193,19 +200,13 @@ def test_sampling_never_returns_a_filtered_token():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     rows = 300
     logits = probs.log().repeat(rows, 1)
-    ones, zeros = torch.ones(rows), torch.zeros(rows)
-    no_k = torch.zeros(rows, dtype=torch.int64)
-    gens = [seeded(1000 + r) for r in range(rows)]
+    seeds = list(range(1000, 1000 + rows))
     # top_p 0.7: the smallest prefix reaching 0.7 is {0, 1} (0.5 alone does not reach it).
-    by_p = sample(logits, ones, no_k, ones * 0.7, zeros, gens)
-    assert set(by_p.tolist()) == {0, 1}
+    assert set(_draw(logits, 1.0, 0, 0.7, 0.0, seeds).tolist()) == {0, 1}
     # min_p 0.25: keep p >= 0.125 -> {0, 1, 2}.
-    by_min = sample(logits, ones, no_k, ones, ones * 0.25, gens)
-    assert set(by_min.tolist()) == {0, 1, 2}
-    by_k = sample(logits, ones, torch.full((rows,), 2), ones, zeros, gens)
-    assert set(by_k.tolist()) == {0, 1}
-    tight = sample(logits, ones, no_k, ones * 0.01, zeros, gens)          # always at least one token
-    assert set(tight.tolist()) == {0}
+    assert set(_draw(logits, 1.0, 0, 1.0, 0.25, seeds).tolist()) == {0, 1, 2}
+    assert set(_draw(logits, 1.0, 2, 1.0, 0.0, seeds, width=2).tolist()) == {0, 1}
+    assert set(_draw(logits, 1.0, 0, 0.01, 0.0, seeds).tolist()) == {0}     # always at least one token
 
 
 # ------------------------------------------------------------------------------ dtypes (bf16 / fp32)
@@ -294,7 +295,8 @@ def test_references_run_on_the_device_like_on_the_cpu():
         results.append(attn_res_read(to(kda_args[0][:, :, :12]), 1, to(x), to(x[0]), 1e-5))
         results.append(rms_norm(to(x), to(x[1]), 1e-5))
         ones = torch.ones(10, device=d)
-        results.append(sample(to(logits).float(), ones * 0, (ones * 0).long(), ones, ones * 0, [None] * 10))
+        results.append(sample(to(logits).float(), ones * 0.8, (ones * 3).long(), ones * 0.9, ones * 0.1,
+                              torch.arange(10, device=d), torch.arange(10, device=d) * 7, 3))
         return results
 
     def flat(items):

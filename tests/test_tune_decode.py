@@ -9,10 +9,10 @@ import torch
 
 import kernels.triton.kda_decode as triton_kda_decode
 import kernels.triton.mla_decode as triton_mla_decode
-from bench import tune_decode
+from tools.tune import tune_decode
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU path; the GPU run is "
-                                                                   "`python -m bench.tune_decode`")
+                                                                   "`python -m tools.tune.tune_decode`")
 
 
 def _run(tmp_path, *extra: str) -> dict:

@@ -1,4 +1,4 @@
-"""bench/tune_moe.py under the interpreter (tiny grid, CPU): every config is checked before it is timed, a wrong or
+"""tools/tune/tune_moe.py under the interpreter (tiny grid, CPU): every config is checked before it is timed, a wrong or
 failing config is reported and never timed, and the results files and paste lines come out. Also the
 torch._grouped_mm provider at T=1 with experts that receive no rows, and the shape of the MoE tuning table."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from bench import tune_moe
+from tools.tune import tune_moe
 from kernels.torch import moe as ref_moe
 from kernels.triton import moe_experts, tuning_ops
 

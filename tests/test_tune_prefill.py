@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from bench import tune_prefill
+from tools.tune import tune_prefill
 from kernels.triton.kda_prefill import PrefillLaunch
 from kernels.triton.tuning import kernel_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke is the CPU path; the GPU run is "
-                                                                   "`python -m bench.tune_prefill`")
+                                                                   "`python -m tools.tune.tune_prefill`")
 
 
 def test_chunk_sizes_option_picks_what_is_compared(tmp_path):

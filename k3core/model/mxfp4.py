@@ -7,7 +7,7 @@ Layout (K3_ARCHITECTURE.md §4.2):
   scale = 2^(byte - 127). Byte 255 (NaN in E8M0) is read as 254, as production kernels do.
 
 Dequantisation is exact in float32: every product e2m1 * 2^e is representable (2^-127 is a float32 subnormal),
-except that 6 * 2^127 overflows to inf.
+except that 6 * 2^127 overflows to inf; in float64 every value is finite and exact (the oracle's form).
 """
 from __future__ import annotations
 
@@ -21,31 +21,32 @@ _E2M1_MAX_EXPONENT = 2          # 6 = 1.5 * 2^2: a block scaled by 2^(floor(log2
 _SCALE_BIAS = 127
 
 
-def _code_table(device: torch.device) -> torch.Tensor:
-    """float32 [16]: value of each 4-bit code (bit 3 = sign)."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+def _code_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[16]: value of each 4-bit code (bit 3 = sign)."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)
     return torch.cat([magnitudes, -magnitudes])
 
 
-def _scale_table(device: torch.device) -> torch.Tensor:
-    """float32 [256]: 2^(byte - 127), byte 255 read as 254. Built from exact float64 powers of two."""
+def _scale_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[256]: 2^(byte - 127), byte 255 read as 254. Built from exact float64 powers of two."""
     values = [math.ldexp(1.0, min(byte, 254) - _SCALE_BIAS) for byte in range(256)]
-    return torch.tensor(values, dtype=torch.float64).to(device=device, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """uint8 packed [..., N, K/2] and scale [..., N, K/32] -> float32 [..., N, K]."""
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 packed [..., N, K/2] and scale [..., N, K/32] -> [..., N, K] in `dtype` (float32 or float64: exact,
+    but for float32's overflow of 6 * 2^127)."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"MXFP4 tensors must be uint8, got packed {packed.dtype} and scale {scale.dtype}")
     num_k = packed.shape[-1] * 2
     if num_k % BLOCK_SIZE or scale.shape[-1] != num_k // BLOCK_SIZE or scale.shape[:-1] != packed.shape[:-1]:
         raise ValueError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed shape {tuple(packed.shape)}: "
                          f"expected [..., N, K/{BLOCK_SIZE}] with K = 2 * packed.shape[-1]")
-    codes = _code_table(packed.device)
+    codes = _code_table(packed.device, dtype)
     low = codes[(packed & 0x0F).long()]                     # [..., N, K/2] even k
     high = codes[(packed >> 4).long()]                      # [..., N, K/2] odd k
     values = torch.stack([low, high], dim=-1).flatten(-2)   # [..., N, K]: interleave back to k order
-    scales = _scale_table(packed.device)[scale.long()]      # [..., N, K/32]
+    scales = _scale_table(packed.device, dtype)[scale.long()]      # [..., N, K/32]
     values = values.unflatten(-1, (num_k // BLOCK_SIZE, BLOCK_SIZE)) * scales.unsqueeze(-1)  # [..., N, K/32, 32]
     return values.flatten(-2)
 

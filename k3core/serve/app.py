@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI completions and chat (whole or streamed), models, health, metrics, abort, flush.
+"""The HTTP routes: OpenAI completions and chat (whole or streamed), models, health, metrics, abort, flush, and
+the tokenizer routes (/tokenize, /detokenize, /tokenizer_info).
 
 Routes run on the event loop and never call the engine: they parse and check the request, tokenize, hand the
 engine requests to the engine thread (`Generation.start`) and relay its events. Every error a client can cause
@@ -18,6 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3core.sampling_params import SamplingParams
+from k3core.chat import chat_format
+from k3core.serve import chat as chat_module
 from k3core.serve import responses
 from k3core.serve.args import ServerArgs
 from k3core.serve.engine_thread import EngineThread, ModelInfo
@@ -25,7 +28,6 @@ from k3core.serve.generation import Generation
 from k3core.serve.metrics import ServerMetrics
 from k3core.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, parse_chat, \
     parse_completion
-from k3core.serve.text import chat_prompt_ids
 
 DISCONNECT_POLL_S = 0.5      # a non-streaming request checks this often whether its client is still there
 
@@ -37,6 +39,7 @@ def error_response(error: APIError) -> JSONResponse:
 def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="k3core", docs_url=None, redoc_url=None, openapi_url=None)
     generations: dict[str, Generation] = {}        # request id -> its live generation, for /abort_request
+    sampling_defaults = chat_module.generation_defaults(args.model)     # generation_config.json: temperature, top_p, top_k
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -107,15 +110,16 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                            f"request has {longest} input tokens. Please reduce the length of the input.",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         max_tokens = req.max_tokens
+        room = info.max_request_tokens()
         if max_tokens is None:
-            max_tokens = max(min(args.default_max_tokens, info.context_length - longest), 1)
+            # room for a long answer (K3 thinks first): what the context and the pool leave, capped by the flag
+            max_tokens = max(min(args.default_max_tokens, info.context_length - longest, room - longest), 1)
         name = "max_completion_tokens" if chat else "max_tokens"
         if longest + max_tokens > info.context_length:
             raise APIError(f"This model's maximum context length is {info.context_length} tokens. However, you "
                            f"requested {longest + max_tokens} tokens ({longest} in the input, {max_tokens} in the "
                            f"completion). Please reduce the length of the input or of the completion.",
                            param=name if chat else "max_tokens", code="context_length_exceeded")
-        room = info.max_request_tokens()
         if longest + max_tokens > room:
             raise APIError(f"the request needs {longest + max_tokens} tokens of KV memory but the pool holds at most "
                            f"{room} for one request; lower max_tokens or restart with a larger --memory-bytes",
@@ -123,9 +127,14 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         return max_tokens
 
     def sampling_params(req: SamplingRequest, max_tokens: int) -> SamplingParams:
+        """The engine's parameters; temperature, top_p and top_k the request leaves out come from the model's
+        generation_config.json when it has one."""
+        picked = {key: getattr(req, key) if key in req.given else sampling_defaults.get(key, getattr(req, key))
+                  for key in chat_module.SAMPLING_DEFAULT_KEYS}
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                  top_p=req.top_p, min_p=req.min_p, seed=req.seed, stop=req.stop,
+            return SamplingParams(max_tokens=max_tokens, temperature=float(picked["temperature"]),
+                                  top_k=max(int(picked["top_k"]), 0), top_p=float(picked["top_p"]),
+                                  min_p=req.min_p, seed=req.seed, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
                                   logprobs=req.logprobs)
@@ -160,11 +169,13 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                     for c in gen.choices]))
             async for choice, delta, event in gen.events():
                 token_ids, entries = event.new_token_ids, event.new_logprobs
-                if not delta and not choice.finished and not (entries and gen.params.logprobs is not None):
+                message = responses.chat_delta(choice, delta) if chat else None
+                if not (message if chat else delta) and not choice.finished and not (
+                        entries and gen.params.logprobs is not None):
                     continue
                 if chat:
                     body = responses.chat_chunk(gen, model, [responses.chat_choice_delta(
-                        gen, choice, {"content": delta} if delta else {}, token_ids, entries, choice.finished)])
+                        gen, choice, message, token_ids, entries, choice.finished)])
                 else:
                     body = responses.completion_chunk(gen, model, [responses.completion_choice(
                         gen, choice, delta, len(token_ids), entries, choice.finished)])
@@ -185,8 +196,10 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         req: CompletionRequest | ChatRequest = parse_chat(body) if chat else parse_completion(body)
         check_model(req.model)
         info = ready_info()
+        parser_factory = None
         if chat:
-            prompts = [chat_prompt_ids(info.tokenizer, req.messages)]
+            prompts = [chat_ids(info, req)]
+            parser_factory = lambda: chat_module.output_parser(info.tokenizer, req)  # noqa: E731
         else:
             prompts = [list(info.tokenizer.encode(p)) if isinstance(p, str) else p for p in req.prompts]
         if any(not p for p in prompts):
@@ -194,15 +207,90 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         params = sampling_params(req, check_lengths(info, prompts, req, chat))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
-                         include_usage=req.include_usage)
+                         include_usage=req.include_usage, parser_factory=parser_factory)
+        notes = unenforced_headers(req)
         if req.stream:
             return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **notes})
         gen.start(arrived)
         if not await collect(gen, request):
             return Response(status_code=499)        # the client left; nobody reads this
         return JSONResponse(responses.chat_body(gen, args.model_name) if chat
-                            else responses.completion_body(gen, args.model_name))
+                            else responses.completion_body(gen, args.model_name), headers=notes)
+
+    def chat_ids(info: ModelInfo, req: ChatRequest) -> list[int]:
+        return chat_module.chat_prompt_ids(info.tokenizer, req)
+
+    def unenforced_headers(req: CompletionRequest | ChatRequest) -> dict[str, str]:
+        """A json_object response_format is an instruction the model sees, not a constraint: the response says so."""
+        if isinstance(req, ChatRequest) and (req.response_format or {}).get("type") == "json_object":
+            return {"X-K3core-Unenforced": "response_format"}
+        return {}
+
+    # ---- tokenizer routes (vLLM's names; lm-eval's remote tokenizer reads them) ---------------------------
+    def optional_model(body: dict) -> None:
+        if body.get("model") is not None:
+            check_model(body["model"])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """`{"prompt"}` -> the ids of the text, special tokens' spellings read as those tokens (as Hugging Face
+        tokenizers do); `{"messages", "tools"?, ...}` -> the prompt ids a chat request with these fields runs."""
+        authorize(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object", code="invalid_json")
+        optional_model(body)
+        info = ready_info()
+        if "messages" in body:
+            add_generation_prompt = body.get("add_generation_prompt", True)
+            if not isinstance(add_generation_prompt, bool):
+                raise APIError("'add_generation_prompt' must be a boolean", param="add_generation_prompt",
+                               code="invalid_type")
+            req = parse_chat({**body, "model": args.model_name, "stream": False})
+            tokens = chat_module.chat_prompt_ids(info.tokenizer, req, add_generation_prompt)
+        elif isinstance(body.get("prompt"), str):
+            encode = getattr(info.tokenizer, "encode_with_specials", info.tokenizer.encode)
+            tokens = list(encode(body["prompt"]))
+        else:
+            raise APIError("give 'prompt' (a string) or 'messages' (a chat) to tokenize", param="prompt",
+                           code="missing_required_parameter")
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": info.context_length})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        authorize(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object", code="invalid_json")
+        optional_model(body)
+        info = ready_info()
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            raise APIError("'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+        bad = next((t for t in tokens if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is outside the vocabulary (0..{info.vocab_size - 1})", param="tokens",
+                           code="invalid_value")
+        return JSONResponse({"prompt": info.tokenizer.decode(tokens)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        """What a remote-tokenizer client reads: the special tokens (spelled so that /tokenize turns them back
+        into their ids), the jinja chat template when the model has one, and the context length."""
+        authorize(request)
+        info = ready_info()
+        tokenizer = info.tokenizer
+        name = getattr(tokenizer, "token_name", lambda token_id: None)
+        eos_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        bos_id, pad_id = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "pad_token_id", None)
+        return JSONResponse({
+            "tokenizer_class": type(tokenizer).__name__, "chat_format": chat_format(tokenizer),
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "eos_token": name(eos_ids[0]) if eos_ids else None, "eos_token_id": eos_ids[0] if eos_ids else None,
+            "eos_token_ids": list(eos_ids), "bos_token": name(bos_id), "bos_token_id": bos_id,
+            "pad_token": name(pad_id), "pad_token_id": pad_id, "model_max_length": info.context_length,
+            "vocab_size": info.vocab_size})
 
     # ---- routes ---------------------------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -26,7 +26,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     context_length: int | None = None        # cap below the model's max_position_embeddings
-    default_max_tokens: int = 1024           # chat requests without max_tokens: min(this, room left in context)
+    default_max_tokens: int = 32768          # chat requests without max_tokens: min(this, room left in context)
     max_body_bytes: int = 32 << 20           # larger request bodies get 413
     log_level: str = "info"
     # engine options (k3core.engine.EngineOptions)
@@ -99,7 +99,8 @@ _HELP = {
     "port": "port to bind",
     "api_key": "require `Authorization: Bearer KEY` on /v1/*, /abort_request and /flush_cache",
     "context_length": "maximum prompt + completion tokens (default: the model's max_position_embeddings)",
-    "default_max_tokens": "max_tokens of a chat request that gives none (capped by the room left in the context)",
+    "default_max_tokens": "cap on max_tokens of a chat request that gives none, which otherwise gets all the room "
+                          "left in the context and the pool (a thinking model needs room to think before answering)",
     "max_body_bytes": "largest accepted request body in bytes (larger: 413)",
     "log_level": "uvicorn log level: critical | error | warning | info | debug",
     "memory_fraction": "pool size as a fraction of free device memory (CPU: of 1 GiB)",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from k3core.sampling_params import SamplingParams
 from k3core.stop import IncrementalDetokenizer
@@ -29,6 +29,7 @@ class Choice:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    parser: Any = None          # chat: a K3OutputParser splitting the text into reasoning / content / tool calls
     _offsets: list[int] = field(default_factory=list)   # text_offset of each token so far (logprobs)
     _offset_chars: int = 0
     _offset_detokenizer: Any = None
@@ -71,7 +72,8 @@ class Usage:
 
 class Generation:
     def __init__(self, engine: EngineThread, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False):
+                 n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False,
+                 parser_factory: Callable[[], Any] | None = None):
         self.engine = engine
         self.include_usage = include_usage
         self.request_id = request_id
@@ -84,7 +86,8 @@ class Generation:
         for prompt_index, prompt in enumerate(prompts):
             for sample in range(n):
                 index = len(self.choices)
-                self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt)))
+                self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt),
+                                           parser=parser_factory() if parser_factory is not None else None))
         self.params = params
 
     def start(self, arrival: float) -> None:

@@ -5,6 +5,7 @@ model (context length, vocabulary) are checked in `app.py`, which knows the mode
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ class SamplingRequest:
     logprobs: int | None = None            # top-N per token, None = no logprobs
     stream: bool = False
     include_usage: bool = False
+    given: frozenset[str] = frozenset()    # the fields the body sets (the rest may take the model's defaults)
 
 
 @dataclass
@@ -54,11 +56,34 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage:
     role: str
     content: str
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)   # assistant: OpenAI tool calls, arguments text
+    tool_call_id: str | None = None                                   # tool: the call this result answers
+    reasoning_content: str | None = None                              # assistant: its earlier reasoning
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat renderers take it (OpenAI's shape, empty fields left out)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+REASONING_EFFORTS = ("low", "high", "max", "none")
 
 
 @dataclass
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None            # "auto" | "none" | "required"; a named choice is refused
+    thinking: bool | None = None              # None: the model's default (on for K3)
+    thinking_effort: str | None = None        # low | high | max
+    response_format: dict[str, Any] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs, for jinja templates
 
 
 # ---- field readers ---------------------------------------------------------------------------------
@@ -166,6 +191,7 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         stream=stream,
         include_usage=stream and _bool(stream_options or {}, "include_usage", False),
+        given=frozenset(name for name, value in body.items() if value is not None),
     )
 
 
@@ -211,6 +237,101 @@ def _message_content(value: Any, index: int) -> str:
     raise _type_error(f"messages[{index}].content", "a string or a list of text parts", value)
 
 
+def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
+    name = f"messages[{index}].tool_calls"
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _type_error(name, "a list of tool calls", value)
+    calls = []
+    for position, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"{name}[{position}] must be {{'id', 'type': 'function', 'function': {{'name', "
+                           f"'arguments'}}}}", param=name, code="invalid_value")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _optional_str(message: dict, key: str, index: int) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _type_error(f"messages[{index}].{key}", "a string", value)
+    return value
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _type_error("tools", "a list of {'type': 'function', 'function': {...}} objects", tools)
+    for position, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+                function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"tools[{position}] must be {{'type': 'function', 'function': {{'name', ...}}}}",
+                           param="tools", code="invalid_value")
+    return tools or None
+
+
+def _tool_choice(body: dict) -> str | None:
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict):
+        raise APIError("a named 'tool_choice' (one given function) is not supported by this server yet: it needs "
+                       "constrained decoding; use \"required\" or \"auto\"", param="tool_choice",
+                       code="unsupported_parameter")
+    raise APIError(f"'tool_choice' must be \"auto\", \"none\" or \"required\", got {choice!r:.60}",
+                   param="tool_choice", code="invalid_value")
+
+
+def _response_format(body: dict) -> dict[str, Any] | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", ...}", param="response_format", code="invalid_value")
+    if kind == "json_schema":
+        raise APIError("'response_format' of type json_schema is not supported by this server yet (it needs "
+                       "constrained decoding, which would guarantee the schema); use json_object, whose "
+                       "instruction the model sees but which is not enforced", param="response_format",
+                       code="unsupported_parameter")
+    return value
+
+
+def _thinking(body: dict) -> tuple[bool | None, str | None, dict[str, Any]]:
+    """(thinking on/off or None for the model's default, effort, chat_template_kwargs)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", "an object", kwargs)
+    thinking = None
+    for key in ("thinking", "enable_thinking"):
+        if kwargs.get(key) is not None:
+            if not isinstance(kwargs[key], bool):
+                raise _type_error(f"chat_template_kwargs.{key}", "a boolean", kwargs[key])
+            thinking = kwargs[key]
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(f"'reasoning_effort' {effort!r:.40} is not supported; choose low, high, max, or none for "
+                           "no thinking", param="reasoning_effort", code="invalid_value")
+        if effort == "none":
+            thinking, effort = False, None
+        elif thinking is None:
+            thinking = True
+    return thinking, effort, kwargs
+
+
 def parse_chat(body: Any) -> ChatRequest:
     common = _sampling_fields(body, ("max_tokens", "max_completion_tokens"))
     raw = body.get("messages")
@@ -223,11 +344,19 @@ def parse_chat(body: Any) -> ChatRequest:
             raise APIError(f"messages[{index}] must be an object with a string 'role'", param=f"messages[{index}]",
                            code="invalid_type")
         if message["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise APIError(f"messages[{index}].role {message['role']!r} is unknown; use system, user or assistant",
-                           param=f"messages[{index}].role", code="invalid_value")
-        messages.append(ChatMessage(message["role"], _message_content(message.get("content"), index)))
+            raise APIError(f"messages[{index}].role {message['role']!r} is unknown; use system, developer, user, "
+                           "assistant or tool", param=f"messages[{index}].role", code="invalid_value")
+        messages.append(ChatMessage(
+            message["role"], _message_content(message.get("content"), index),
+            name=_optional_str(message, "name", index),
+            tool_calls=_tool_calls(message.get("tool_calls"), index) if message["role"] == "assistant" else [],
+            tool_call_id=_optional_str(message, "tool_call_id", index),
+            reasoning_content=_optional_str(message, "reasoning_content", index)))
     want_logprobs = _bool(body, "logprobs", False)
     top_logprobs = _int(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
-    return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages)
+    thinking, effort, kwargs = _thinking(body)
+    return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages,
+                       tools=_tools(body), tool_choice=_tool_choice(body), thinking=thinking,
+                       thinking_effort=effort, response_format=_response_format(body), template_kwargs=kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from k3core.serve import chat
 from k3core.serve.generation import Choice, Generation, Usage
 from k3core.serve.text import token_text
 
@@ -80,14 +81,28 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     return {"content": content}
 
 
+def chat_finish_reason(choice: Choice) -> str | None:
+    return chat.finish_reason(choice.finish_reason, bool(choice.parser is not None and choice.parser.tool_calls))
+
+
+def chat_message(choice: Choice) -> dict[str, Any]:
+    """The whole message of a finished choice: its text, or what the K3 parser reads in it."""
+    if choice.parser is None:
+        return {"role": "assistant", "content": choice.text}
+    choice.parser.feed(choice.text)
+    choice.parser.finish()
+    return chat.message_body(choice.parser.result())
+
+
 def chat_body(gen: Generation, model: str) -> dict[str, Any]:
     choices = []
     for c in gen.choices:
         logprobs = None
         if gen.params.logprobs is not None:
             logprobs = chat_logprobs(gen.tokenizer, c.token_ids, c.logprobs, gen.params.logprobs)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+        message = chat_message(c)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": chat_finish_reason(c)})
     return {"id": gen.request_id, "object": "chat.completion", "created": gen.created, "model": model,
             "choices": choices, "usage": gen.usage().body()}
 
@@ -97,10 +112,21 @@ def chat_chunk(gen: Generation, model: str, choices: list[dict[str, Any]],
     return _stream_chunk("chat.completion.chunk", gen, model, choices, usage)
 
 
+def chat_delta(choice: Choice, text: str) -> dict[str, Any]:
+    """A streamed chunk's delta for `text`, the choice's new output: the text itself, or what the K3 parser hands
+    out for it (everything it held back too, once the choice has finished)."""
+    if choice.parser is None:
+        return {"content": text} if text else {}
+    parsed = choice.parser.feed(text)
+    if choice.finished:
+        parsed = chat.merge_deltas(parsed, choice.parser.finish())
+    return chat.delta_body(parsed)
+
+
 def chat_choice_delta(gen: Generation, choice: Choice, delta: dict[str, Any], token_ids: list[int],
                       entries: list[dict[int, float]], finish: bool) -> dict[str, Any]:
     logprobs = None
     if gen.params.logprobs is not None and token_ids:
         logprobs = chat_logprobs(gen.tokenizer, token_ids, entries, gen.params.logprobs)
     return {"index": choice.index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": choice.finish_reason if finish else None}
+            "finish_reason": chat_finish_reason(choice) if finish else None}

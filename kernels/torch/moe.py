@@ -12,18 +12,47 @@ RENORM_EPS = 1e-20
 
 
 def moe_route(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: str,
-              renormalize: bool, routed_scaling_factor: float) -> RouteOut:
+              renormalize: bool, routed_scaling_factor: float, num_expert_group: int = 1,
+              topk_group: int = 1) -> RouteOut:
     """logits [T, E] -> RouteOut(weights [T, top_k] float32, expert_ids [T, top_k] int64).
 
     The bias only chooses the experts; the weights are the unbiased scores at the chosen experts, divided by
     (sum + 1e-20) when renormalize, times routed_scaling_factor. Experts come out in descending order of the
-    biased score. float64 logits give float64 weights.
+    biased score. With num_expert_group > 1 the choice is grouped first (`grouped_choice`). float64 logits give
+    float64 weights.
     """
-    if not 0 < top_k <= logits.shape[-1]:
-        raise ValueError(f"moe_route: top_k={top_k} must be between 1 and the number of experts {logits.shape[-1]}")
+    num_experts = logits.shape[-1]
+    check_groups(num_experts, top_k, num_expert_group, topk_group)
     scores, choice = route_scores(logits, correction_bias, scoring)
+    choice = grouped_choice(choice, num_expert_group, topk_group)
     expert_ids = torch.topk(choice, top_k, dim=-1, sorted=True).indices       # [T, top_k]
     return RouteOut(route_weights(scores, expert_ids, renormalize, routed_scaling_factor), expert_ids)
+
+
+def check_groups(num_experts: int, top_k: int, num_expert_group: int, topk_group: int) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"moe_route: top_k={top_k} must be between 1 and the number of experts {num_experts}")
+    if num_expert_group < 1 or num_experts % num_expert_group or not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"moe_route: num_expert_group={num_expert_group} must divide the {num_experts} experts and "
+                         f"topk_group={topk_group} must be in 1..num_expert_group")
+    if top_k > topk_group * (num_experts // num_expert_group):
+        raise ValueError(f"moe_route: top_k={top_k} is more than the {topk_group} kept groups of "
+                         f"{num_experts // num_expert_group} experts hold")
+
+
+def grouped_choice(choice: torch.Tensor, num_expert_group: int, topk_group: int) -> torch.Tensor:
+    """Grouped top-k (DeepSeek-V3 `noaux_tc`, as transformers' Kimi-Linear router runs it): the E experts form
+    num_expert_group contiguous groups; a group's score is the sum of its two best choice scores (its best, for
+    groups of one); only the topk_group best groups stay choosable, the others' choice scores become -inf.
+    Ties between groups go to the lower group index. One group returns `choice` unchanged."""
+    if num_expert_group == 1:
+        return choice
+    num_tokens, num_experts = choice.shape
+    groups = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)   # [T, G, E/G]
+    group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)       # [T, G]
+    kept = group_scores.topk(topk_group, dim=-1).indices                                   # [T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)        # [T, G]
+    return groups.masked_fill(~keep[:, :, None], float("-inf")).view(num_tokens, num_experts)
 
 
 def route_scores(logits: torch.Tensor, correction_bias: torch.Tensor | None,

@@ -24,6 +24,14 @@ def _mix_candidate(row, query, width, eps, running_max, denominator, acc):
 
 
 @triton.jit
+def _load_candidate(bank_row, live_row, mask, next_slot, num_valid):
+    """The bank row at bank_row while next_slot < num_valid, else the live row at live_row, as float32."""
+    bank = tl.load(bank_row, mask=mask & (next_slot < num_valid), other=0.0).to(tl.float32)
+    live = tl.load(live_row, mask=mask & (next_slot >= num_valid), other=0.0).to(tl.float32)
+    return bank + live
+
+
+@triton.jit
 def _attn_res_read_kernel(bank_ptr, live_ptr, query_ptr, out_ptr, bank_token_stride, bank_slot_stride,
                           live_row_stride, out_row_stride, num_valid, width, eps, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -36,12 +44,14 @@ def _attn_res_read_kernel(bank_ptr, live_ptr, query_ptr, out_ptr, bank_token_str
     acc = tl.zeros((BLOCK_D,), tl.float32)
     bank_row = bank_ptr + token * bank_token_stride + cols
     live_row = live_ptr + token * live_row_stride + cols
-    # the next candidate is loaded before the current one is reduced, so its memory latency hides behind the math
-    upcoming = tl.load(tl.where(num_valid > 0, bank_row, live_row), mask=mask, other=0.0).to(tl.float32)
+    # The next candidate is loaded before the current one is reduced, so its memory latency hides behind the math.
+    # It is the bank row or, after the last one, the live row: two loads with complementary masks, never a select
+    # between pointers of two arguments (which Triton 3.6's AMD buffer-ops pass rejects); a masked-off load reads
+    # nothing and contributes its 0.
+    upcoming = _load_candidate(bank_row, live_row, mask, 0, num_valid)
     for slot in range(0, num_valid):
         row = upcoming
-        upcoming = tl.load(tl.where(slot + 1 < num_valid, bank_row + (slot + 1) * bank_slot_stride, live_row),
-                           mask=mask, other=0.0).to(tl.float32)
+        upcoming = _load_candidate(bank_row + (slot + 1) * bank_slot_stride, live_row, mask, slot + 1, num_valid)
         running_max, denominator, acc = _mix_candidate(row, query, width, eps, running_max, denominator, acc)
     running_max, denominator, acc = _mix_candidate(upcoming, query, width, eps, running_max, denominator, acc)
     tl.store(out_ptr + token * out_row_stride + cols, (acc / denominator).to(out_ptr.dtype.element_ty), mask=mask)

@@ -32,10 +32,10 @@ NARROW_STATE_PROGRAMS_PER_UNIT = 2
 # exp(80) so a 128-channel sum of them stays finite in float32/bfloat16 (max ~3.4e38 ~ exp(88.7)).
 MAX_DENSE_EXPONENT = 80.0
 # The prefetching state kernel with value blocks of <= 32 is right at 32-token chunks and wrong past them on the H200
-# under Triton 3.6.0 (2026-11-30): the whole op at 64-token chunks gave a relative error of 0.90, merged 64-token
+# under Triton 3.6.0: the whole op at 64-token chunks gave a relative error of 0.90, merged 64-token
 # chunks NaN or relative errors of 0.03-1.06, 128-token chunks illegal memory accesses; block_v 64 / 128 and the
 # same kernel without prefetch were right, and the interpreter is right in every form
-# (bench/results/tune-prefill-merge-nvidia-h200.md). Past this chunk size such a config runs without prefetch.
+# (bench/results/archive/tune-prefill-merge-nvidia-h200.md). Past this chunk size such a config runs without prefetch.
 PREFETCH_CHECKED_CHUNK = 32
 
 
@@ -164,7 +164,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     """q, k, f [T, H, K], v [T, H, V], beta_logits [T, H] -> KdaPrefillOut; state[slot_ids] updated in place.
 
     chunk_size (keyword only, a power of two >= 16): tokens per chunk, by default the vendor table's
-    `kda_intra` block_t (32 on NVIDIA, 64 on AMD; `bench.tune_prefill --chunk-sizes` compares others). Any
+    `kda_intra` block_t (32 on NVIDIA, 64 on AMD; `tools.tune.tune_prefill --chunk-sizes` compares others). Any
     checkpoint_interval >= 0 or checkpoint_lengths works: chunks are also cut at every checkpoint.
     """
     launch, result = prepare_kda_prefill(q, k, v, f, beta_logits, gate, cu_seqlens, state, slot_ids,
@@ -212,7 +212,7 @@ class PrefillLaunch:
     """The two passes of one kda_prefill call with their workspace, launchable one at a time.
 
     kda_prefill runs intra() then state() with the vendor's table configs. A tuning sweep
-    (`bench.tune_prefill`) times each pass on its own with other configs; state() reads the workspace
+    (`tools.tune.tune_prefill`) times each pass on its own with other configs; state() reads the workspace
     intra() wrote, so run intra() once first.
     """
 
@@ -283,9 +283,10 @@ class PrefillLaunch:
     def state_config(self) -> KernelConfig:
         """The table's config for pass 2: `kda_state` (narrow value blocks: many sequential programs for few long
         sequences) while all of its programs can be resident at once (NARROW_STATE_PROGRAMS_PER_UNIT per SM/CU),
-        else `kda_state_wide`. On an H200 at 32-token chunks (bench/results/tune-prefill-wide128-nvidia-h200.md) the
-        wide blocks won at 8 x 4K (0.31 ms against 0.72) and 64 x 512 (0.26 against 0.73), and lost at B=1 (2.60
-        against 1.47), where the narrow config's 96 programs all run at once.
+        else `kda_state_wide`. On an H200 at 32-token chunks
+        (bench/results/archive/tune-prefill-wide128-nvidia-h200.md) the wide blocks won at 8 x 4K (0.31 ms against
+        0.72) and 64 x 512 (0.26 against 0.73), and lost at B=1 (2.60 against 1.47), where the narrow config's 96
+        programs all run at once.
 
         16-bit inputs only: the wide config was swept and checked in bf16, and its float32 tiles would ask for
         more shared memory (the failure class of the fp32 MoE and MLA prefill tiles); float32 keeps kda_state.

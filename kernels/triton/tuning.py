@@ -6,11 +6,12 @@ file never branches on the vendor itself.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-import os
-
 import torch
+
+from kernels.triton.tuning_ops import assumed_device
 
 VENDORS = ("nvidia", "amd")
 # the decode-op tables live in tuning_ops
@@ -76,7 +77,11 @@ _AMD: dict[str, KernelConfig] = {
 
 
 def detect_vendor() -> str:
-    """'amd' on a ROCm build of torch, otherwise 'nvidia' (also used under the CPU interpreter)."""
+    """The assumed device's vendor (`tuning_ops.assume_device`), else 'amd' on a ROCm build of torch, otherwise
+    'nvidia' (also used under the CPU interpreter)."""
+    assumed = assumed_device()
+    if assumed is not None:
+        return assumed.vendor
     return "amd" if getattr(torch.version, "hip", None) else "nvidia"
 
 

@@ -7,15 +7,46 @@ The choice depends on the tensor's device, never on an environment if-chain per 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
 
+class AssumedDevice(NamedTuple):
+    """A GPU that the launch parameters are chosen for although no such GPU is present (offline compiles)."""
+    vendor: str              # "nvidia" | "amd"
+    arch: str                # "sm_90", "gfx942", ...
+    compute_units: int       # SMs or CUs
+
+
+_ASSUMED: contextvars.ContextVar[AssumedDevice | None] = contextvars.ContextVar("assumed_device", default=None)
+
+
+@contextlib.contextmanager
+def assume_device(device: AssumedDevice) -> Iterator[None]:
+    """Inside this block every launch parameter (target, architecture, compute units) is chosen as for `device`,
+    whatever device the tensors are on. This is how `backends.offline` captures the launches a GPU would get from
+    CPU tensors and compiles them for that GPU; nothing may run a kernel inside it."""
+    token = _ASSUMED.set(device)
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
+
+
+def assumed_device() -> AssumedDevice | None:
+    return _ASSUMED.get()
+
+
 def target(device: torch.device) -> str:
     """`interpreter`, `nvidia` or `amd` for tensors on `device`."""
+    assumed = _ASSUMED.get()
+    if assumed is not None:
+        return assumed.vendor
     if device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return "interpreter"
     return "amd" if getattr(torch.version, "hip", None) else "nvidia"
@@ -28,9 +59,31 @@ def num_compute_units(device_index: int) -> int:
 
 
 def compute_units(device: torch.device) -> int:
+    assumed = _ASSUMED.get()
+    if assumed is not None:
+        return assumed.compute_units
     if target(device) == "interpreter":
         return 4
     return num_compute_units(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device_index: int) -> str:
+    props = torch.cuda.get_device_properties(device_index)
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":")[0]          # "gfx942:sramecc+:xnack-" -> "gfx942"
+    return f"sm_{props.major}{props.minor}"
+
+
+def current_arch() -> str:
+    """The architecture kernels are launched for: the assumed device's, else the current GPU's ("sm_90",
+    "gfx942"), else "interpreter" (no GPU, or TRITON_INTERPRET=1)."""
+    assumed = _ASSUMED.get()
+    if assumed is not None:
+        return assumed.arch
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+        return "interpreter"
+    return _device_arch(torch.cuda.current_device())
 
 
 class RowConfig(NamedTuple):
@@ -53,8 +106,11 @@ def attn_res_config(device: torch.device, block_width: int) -> RowConfig:
     an H200, 16 warps at 53%."""
     if target(device) == "interpreter":
         return RowConfig(num_warps=1)
-    lanes = 64 if target(device) == "amd" else 32
-    return RowConfig(num_warps=max(1, min(8, block_width // (64 * lanes))))
+    if target(device) == "amd":
+        # 64 elements per lane (2 wavefronts for an 8192-wide block) spill 2 VGPRs in bf16 and 60 in float32 on
+        # gfx942 and gfx950 (offline compile, Triton 3.6.0); 16 per lane (8 wavefronts) use ~150 and spill none.
+        return RowConfig(num_warps=max(1, min(16, block_width // (16 * 64))))
+    return RowConfig(num_warps=max(1, min(8, block_width // (64 * 32))))
 
 
 class AttentionConfig(NamedTuple):

@@ -1,4 +1,4 @@
-"""The decode tuning sweep's report (`bench.tune_decode`): per-shape summary, Markdown table with the configs to
+"""The decode tuning sweep's report (`tools.tune.tune_decode`): per-shape summary, Markdown table with the configs to
 paste into kernels/triton/tuning_ops.py, and the JSON + Markdown files."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.tune_decode import Trial
+    from tools.tune.tune_decode import Trial
 
 
 def label(config: dict) -> str:

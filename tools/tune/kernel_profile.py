@@ -1,7 +1,7 @@
 """Where one step's GPU time goes: kernel time per kernel name under torch.profiler (CUPTI), grouped and ranked.
 
-bench.model_bench profiles the BS=1 graph-replayed decode with it (issue 6 target 7 asks for "where the time goes"
-when a target is missed). The kernels of a replayed CUDA graph are traced one by one, so the table is the graph's
+bench.model_bench profiles the BS=1 graph-replayed decode with it, to say where the time of a missed target goes.
+The kernels of a replayed CUDA graph are traced one by one, so the table is the graph's
 own kernels; the sum of their times against the step's wall time says how much of the step the GPU sat idle
 between kernels (launch gaps inside the graph, dependencies).
 """

@@ -1,7 +1,7 @@
 """Sweep the launch parameters of the Triton MoE expert GEMMs (kernels/triton/moe_experts.py, `moe_gemm_config`).
 
-    python -m bench.tune_moe [--out DIR]                  # on an H200: two shapes, about 3 minutes at most
-    TRITON_INTERPRET=1 python -m bench.tune_moe --smoke   # tiny grid on the CPU: checks the plumbing only
+    python -m tools.tune.tune_moe [--out DIR]                  # on an H200: two shapes, about 3 minutes at most
+    TRITON_INTERPRET=1 python -m tools.tune.tune_moe --smoke   # tiny grid on the CPU: checks the plumbing only
 
 Shapes: K3 at TP8, one rank holding 112 experts, top-16, latent 3584, expert width 3072, SiTU-GLU, bf16; prefill
 (1024 tokens = 16384 routed rows) and decode (64 tokens = 1024 rows). block_m (the row block both GEMMs share, so
@@ -58,10 +58,10 @@ RESERVE_S = 30.0     # kept for each later shape: they reuse the compiled kernel
 BLOCK_MS = (16, 32, 64, 128, 192)                 # 192 only as three 64-row sub-blocks
 # (block_n, block_k, num_warps, num_stages, sub_blocks, weight_desc, fused_gate_up): GemmConfig's fields, most
 # plausible first (a budget cut loses the least likely configs). The two-half tiles (sub_blocks 2) first: a scratch
-# sweep at 1f768cd had them ahead at block_m 128 (bench/README.md). The fused gate/up tiles (gate/up only) next:
+# sweep at 1f768cd had them ahead at block_m 128. The fused gate/up tiles (gate/up only) next:
 # offline sm_90 compiles give one m64n128 wgmma per sub-block and K step at block_n 64 where the two-dot form issues
 # two m64n64 (m64n256 at block_n 128 when a warp group owns 64 whole rows); on the H200 128 + 128 columns on 8 warps
-# in two halves won (tune_moe-fused-nvidia-h200.md) and is the table's tile since.
+# in two halves won (bench/results/archive/tune_moe-fused-nvidia-h200.md) and is the table's tile since.
 TILES = ((64, 64, 4, 3, 2, True, False), (64, 64, 4, 3, 2, True, True), (128, 64, 8, 3, 1, True, True),
          (128, 64, 8, 3, 2, True, True), (128, 64, 4, 3, 1, True, True), (64, 64, 8, 3, 1, True, True),
          (64, 64, 4, 3, 2, False, True), (128, 64, 8, 3, 1, False, True),
@@ -72,7 +72,7 @@ TILES = ((64, 64, 4, 3, 2, True, False), (64, 64, 4, 3, 2, True, True), (128, 64
          (128, 64, 8, 3, 1, False, False), (128, 64, 4, 3, 1, False, False), (128, 64, 4, 4, 1, False, False),
          (64, 64, 4, 4, 1, False, False), (64, 128, 4, 3, 1, False, False), (128, 128, 8, 3, 1, False, False),
          (128, 32, 4, 5, 1, False, False),
-         # three 64-row sub-blocks (block_m 192; tenth session): ~146 rows per expert at K3 prefill fit one row block,
+         # three 64-row sub-blocks (block_m 192): ~146 rows per expert at K3 prefill fit one row block,
          # so each expert's weights are read once per column block where 128-row blocks read them twice, at the MMA
          # cost of the 192 rows the two-half 128-row blocks compute. Gate/up fused, then down tiles.
          (64, 64, 8, 3, 3, True, True), (64, 64, 16, 3, 3, True, True), (128, 64, 16, 3, 3, True, True),
@@ -393,7 +393,7 @@ def write(results: list[ShapeResult], env: dict, out_dir: Path) -> tuple[Path, P
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune_moe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.tune.tune_moe", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny grid on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="stop timing new configs after this long")
@@ -409,7 +409,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(argv: list[str] | None = None) -> list[ShapeResult]:
     args = parse_args(argv)
     start = time.monotonic()
-    require_interpreter(args.smoke, "bench.tune_moe")
+    require_interpreter(args.smoke, "tools.tune.tune_moe")
     ctx = make_context(args.smoke, args.seed)
     full = {"experts": EXPERTS, "top_k": TOP_K, "latent": LATENT, "width": WIDTH, "shapes": SHAPES}
     dims = SMOKE if args.smoke else full

@@ -1,8 +1,8 @@
 """Tuning sweep of MLA decode and KDA decode on K3's per-GPU shapes: one device call, then paste the winners.
 
-    python -m bench.tune_decode                       # both ops on the GPU -> $OUT (else bench/results)
-    python -m bench.tune_decode --only kda
-    TRITON_INTERPRET=1 python -m bench.tune_decode --smoke   # tiny grid on the CPU: checks the plumbing only
+    python -m tools.tune.tune_decode                       # both ops on the GPU -> $OUT (else bench/results)
+    python -m tools.tune.tune_decode --only kda
+    TRITON_INTERPRET=1 python -m tools.tune.tune_decode --smoke   # tiny grid on the CPU: checks the plumbing only
 
 Every config is first run once and checked against the float64 torch reference (NaN-poisoned outputs); a config
 that fails is marked "wrong" and never timed, one that does not compile (OutOfResources, ...) is marked "error".
@@ -36,7 +36,7 @@ from bench.context import (
 )
 from bench.report import check, environment, poison_allocator
 from bench.timing import measure_ceilings, num_input_sets, sweep_timer
-from bench.tune_decode_report import config_source, describe, label, ranked, summary, write
+from tools.tune.tune_decode_report import config_source, describe, label, ranked, summary, write
 from k3core.ops import KdaGateParams
 from kernels.triton.tuning_ops import (
     KDA_DECODE_BATCH_CLASSES,
@@ -49,7 +49,7 @@ from kernels.triton.tuning_ops import (
 )
 
 OPS = ("mla", "kda")
-TIME_BUDGET_S = 270.0            # the whole sweep after imports (`scripts/gpu_next.sh decode` allows 330 s)
+TIME_BUDGET_S = 270.0            # the whole sweep after imports (`scripts/gpu.sh tune decode` allows 330 s)
 KDA_SHARE = 0.25                 # KDA's share of the budget when both ops run (its grid is small)
 
 MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE = 12, 576, 512, 64
@@ -82,11 +82,11 @@ class Grid:
     kda_warps: tuple[int, ...]
 
 
-# The 2026-11-29 sweeps (bench/results/tune-decode-nvidia-h200.md) never picked "gather" tiles, one pipeline stage,
-# 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the "waves" split policy,
-# wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and block_v 4. KDA
-# decode with programmatic dependent launch (waiting on the previous kernel before its first load) gained nothing
-# beyond noise on 2026-11-30 (bench/results/tune-decode-merge-nvidia-h200.md) and was removed.
+# The first decode sweeps (bench/results/archive/tune-decode-nvidia-h200.md) never picked "gather" tiles, one
+# pipeline stage, 4 stages, block_v 64/128 or 4-8 warps for KDA; this grid leaves them out to make room for the
+# "waves" split policy, wider LSE merge steps over narrower value blocks (the B=1 x 128K shape merges 256 splits) and
+# block_v 4. KDA decode with programmatic dependent launch (waiting on the previous kernel before its first load)
+# gained nothing beyond noise (bench/results/archive/tune-decode-merge-nvidia-h200.md) and was removed.
 GPU_GRID = Grid(MLA_SHAPES, MLA_HEADS, MLA_LATENT, MLA_V_DIM, MLA_PAGE, ("page",), (32, 64), (4, 8), (2, 3),
                 (1, 2, 4), ("cover", "waves"),
                 ((1, 0), (16, 128), (32, 64), (64, 32), (128, 32), (64, 16), (256, 16), (128, 16)),
@@ -321,7 +321,7 @@ def _parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune_decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.tune.tune_decode", description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="mla,kda", help=f"comma-separated ops: {', '.join(OPS)}")
     parser.add_argument("--smoke", action="store_true", help="tiny grid on the CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", default="", help="results folder (default $OUT, else bench/results)")
@@ -335,7 +335,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     ops = [op.strip() for op in args.only.split(",") if op.strip()]
     if not ops or any(op not in OPS for op in ops):
         raise SystemExit(f"--only {args.only!r}: choose from {', '.join(OPS)}")
-    require_interpreter(args.smoke, "bench.tune_decode")
+    require_interpreter(args.smoke, "tools.tune.tune_decode")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)

@@ -1,7 +1,7 @@
-"""Short text from Nsight Compute exports (scripts/gpu_ncu.sh): where each profiled kernel's warps stall.
+"""Short text from Nsight Compute exports (`scripts/gpu.sh tune ncu`): where each profiled kernel's warps stall.
 
-    ncu --import r.ncu-rep --page raw --csv | python -m bench.ncu_report stalls
-    ncu --import r.ncu-rep --page source --csv --print-source sass | python -m bench.ncu_report source
+    ncu --import r.ncu-rep --page raw --csv | python -m tools.tune.ncu_report stalls
+    ncu --import r.ncu-rep --page source --csv --print-source sass | python -m tools.tune.ncu_report source
 
 `stalls` prints, per kernel, its duration and the stall reasons that cost the most cycles per issued
 instruction (WarpStateStats); `source` prints the SASS lines with the most warp-stall samples, and their share of
@@ -85,7 +85,7 @@ def source_tables(lines: Iterable[str], top: int = 25) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv not in (["stalls"], ["source"]):
-        print("usage: python -m bench.ncu_report stalls|source < export.csv", file=sys.stderr)
+        print("usage: python -m tools.tune.ncu_report stalls|source < export.csv", file=sys.stderr)
         return 2
     text = sys.stdin.read().splitlines()
     if argv == ["stalls"]:

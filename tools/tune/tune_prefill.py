@@ -1,7 +1,7 @@
 """Where KDA chunked prefill spends its time, pass by pass, and a sweep of each pass's launch configs.
 
-    python -m bench.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
-    TRITON_INTERPRET=1 python -m bench.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
+    python -m tools.tune.tune_prefill [--out DIR] [--passes state]  # on an H200: 3 shapes, 240 s of sweep + set-up
+    TRITON_INTERPRET=1 python -m tools.tune.tune_prefill --smoke  # tiny grid on the CPU: checks the plumbing only
 
 kda_prefill is two Triton passes (kernels/triton/kda_prefill.py): `intra` (parallel over chunks and heads) and
 `state` (sequential over each sequence's chunks, also writing the outputs). For each of bench/cases_kda's prefill
@@ -46,14 +46,14 @@ from kernels.triton.tuning import KernelConfig, kernel_config
 
 TIME_BUDGET_S = 240.0
 SHAPES = tuple((label, lengths) for label, lengths in PREFILL_SHAPES if sum(lengths) <= 32768)
-# (warps, stages) of the intra pass. 2026-11-29 (tune-prefill-chunks-nvidia-h200.md): at 32-token chunks 4 warps
-# won everywhere (0.79 ms against 1.35 on 8); 16 warps never won at either chunk size. Tried and dropped
-# (bench/README.md): the pass as two kernels (0.96 ms), over channel tiles, with a register cap, on 2 warps.
+# (warps, stages) of the intra pass. In bench/results/archive/tune-prefill-chunks-nvidia-h200.md, at 32-token
+# chunks 4 warps won everywhere (0.79 ms against 1.35 on 8); 16 warps never won at either chunk size. Tried and
+# dropped: the pass as two kernels (0.96 ms), over channel tiles, with a register cap, on 2 warps.
 # (warps, stages, two_block): two_block runs 32-token chunks as two 16-token halves (kda_chunk_intra_two_block_kernel).
 INTRA_GRID = ((4, 1, False), (4, 2, False), (8, 1, False), (2, 1, True), (4, 1, True), (8, 1, True))
 # (block_v, warps, stages, prefetch, segment_chunks) of the state pass, the segmented forms first (a budget cut loses
-# the tail; they lost on 2026-11-30, tune-prefill-segments-nvidia-h200.md: 1.95 ms at best against 1.45 at B=1).
-# Left out after the 2026-11-29 sweeps (tune-prefill-*-nvidia-h200.md): (16, 4, 1), (32, 4, 1) and (32, 8, 1) gave
+# the tail; they lost in bench/results/archive/tune-prefill-segments-nvidia-h200.md: 1.95 ms at best against 1.45
+# at B=1). Left out after the earlier sweeps (archive/tune-prefill-*): (16, 4, 1), (32, 4, 1) and (32, 8, 1) gave
 # WRONG outputs at every shape, 2 warps with 2 stages ran 2-40x slower than the best, and the
 # split form (outputs from a parallel kernel) never won: it lost 1.86 against 1.46 ms at B=1, its target.
 STATE_GRID = (tuple((block_v, warps, 2, True, segment) for segment in (16, 32, 64)
@@ -265,7 +265,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     table_chunk = kernel_config("kda_intra").block_t
     chunk_sizes = tuple(int(c) for c in args.chunk_sizes.split(",")) if args.chunk_sizes else (
         (table_chunk, 16) if args.smoke else (table_chunk, 64 if table_chunk != 64 else 32))
-    require_interpreter(args.smoke, "bench.tune_prefill")
+    require_interpreter(args.smoke, "tools.tune.tune_prefill")
     started = time.perf_counter()
     ctx = make_context(args.smoke)
     ctx.timer = sweep_timer(ctx.device)

@@ -1,6 +1,7 @@
-"""One call of one issue-6 kernel inside an NVTX range named "profile", for Nsight Compute (scripts/gpu_ncu.sh).
+"""One call of one benchmarked kernel inside an NVTX range named "profile", for Nsight Compute
+(`scripts/gpu.sh tune ncu`).
 
-    ncu --nvtx --nvtx-include "profile/" python -m bench.ncu_targets kda_prefill_b1
+    ncu --nvtx --nvtx-include "profile/" python -m tools.tune.ncu_targets kda_prefill_b1
 
 builds the bench inputs of the target (bench.cases_*), runs the op twice outside the range (Triton compiles on
 the first call; the second settles the allocator) and once inside it, so the profile holds exactly one call's

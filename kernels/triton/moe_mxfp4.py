@@ -1,0 +1,237 @@
+"""Grouped expert GEMMs with MXFP4 weights (W4A16): the packed codes and E8M0 scales are read as they are stored and
+dequantised in registers, so each weight byte crosses memory once and no dense copy ever exists.
+
+The structure is the bf16 kernels' (`kernels.triton.moe_experts`): the (token, choice) pairs grouped by local
+expert into BLOCK_M-row blocks (`kernels.triton.moe_blocks`), a gate/up kernel with the GLU fused, a down kernel
+writing float32 rows, and the shared deterministic combine (`combine_expert_rows`).
+
+Dequantisation of a weight tile. Byte j of a row holds the codes of columns 2j (low nibble) and 2j + 1 (high
+nibble), so a K step of BLOCK_K columns is two dots of BLOCK_K / 2: the even columns of x against the low nibbles
+and the odd columns against the high ones. No nibble interleaving is needed, and the MMA work is that of one
+BLOCK_K dot. A code becomes a float32 by building its bits (sign, exponent, one mantissa bit); the E8M0 scale byte
+s becomes 2^(s - 127) the same way (byte 0 is the subnormal 2^-127, byte 255 reads as 254 as in
+`k3core.model.mxfp4`); their product is cast to x's dtype (bf16 on the GPU) for `tl.dot` with float32
+accumulation. A scale covers 32 columns, i.e. 16 bytes of a row: one scale load per 16 bytes, broadcast.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.torch.moe_mxfp4 import check_mxfp4_experts
+from kernels.triton.activation import check_activation, glu_f32
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
+from kernels.triton.moe_experts import combine_expert_rows
+from kernels.triton.tuning_ops import target
+
+PAIR_BUFFER_BYTES = 1 << 30
+SCALE_BLOCK = 32                   # columns per E8M0 scale
+
+
+class Mxfp4Tile(NamedTuple):
+    """Launch shape of both GEMMs: rows per block (one expert each), output columns and K columns per step."""
+    block_m: int
+    block_n: int
+    block_k: int                   # a multiple of 2 * SCALE_BLOCK: each half-step covers whole scale groups
+    num_warps: int
+    num_stages: int
+
+
+def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int) -> Mxfp4Tile:
+    """Rows per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill:
+    taller blocks so that each weight tile is dequantised for more rows). Not yet tuned on a GPU."""
+    rows_per_expert = num_pairs / max(1, num_experts)
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
+    if target(device) == "interpreter":
+        return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+    return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
+                     num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
+
+
+@triton.jit
+def _e2m1_f32(codes):
+    """int32 codes in [0, 16) -> float32: bit 3 the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    index = codes & 7
+    # index >= 2: exponent (index >> 1) - 1, one mantissa bit (index & 1); index 1 is 0.5 and index 0 is zero
+    bits = tl.where(index < 2, index * 0x3F000000, (((index >> 1) + 126) << 23) | ((index & 1) << 22))
+    sign = (codes >> 3) << 31
+    return (bits | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_f32(scale):
+    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
+    byte = tl.minimum(scale, 254)
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """W^T of output columns `rows` for K columns [k_start, k_start + 2 * HALF_K) of one expert, as (even k, odd k)
+    tiles [HALF_K, BLOCK_N] in DTYPE. Masked columns (past num_k or past the rows) are zero."""
+    j = tl.arange(0, HALF_K)
+    k_mask = k_start + 2 * j < num_k                                   # num_k is a multiple of 32: both halves
+    mask = k_mask[:, None] & row_mask[None, :]
+    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[None, :].to(tl.int64) * packed_row_stride
+    byte = tl.load(packed_rows + (k_start // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)   # [HALF_K, BLOCK_N]
+    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
+    g = tl.arange(0, GROUPS)
+    scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
+    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[None, :].to(tl.int64) * scale_row_stride
+    scale = tl.load(scale_rows + (k_start // 32 + g)[:, None], mask=scale_mask, other=127).to(tl.int32)
+    scale = _e8m0_f32(scale)                                                                      # [GROUPS, BLOCK_N]
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF_K, BLOCK_N))
+    low = (_e2m1_f32(byte & 15) * scale).to(DTYPE)
+    high = (_e2m1_f32(byte >> 4) * scale).to(DTYPE)
+    return low, high
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                    x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                    hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
+                    TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row block, column block of I): gate and up columns of W13 in one K loop, the GLU in float32, stored in
+    x's dtype at the sorted rows."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
+    x_rows = x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * x_row_stride
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
+    col_mask = cols < inter_dim
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    j = tl.arange(0, HALF_K)
+    for k_start in range(0, hidden_dim, BLOCK_K):
+        k_even = k_start + 2 * j
+        x_mask = row_mask[:, None] & (k_even < hidden_dim)[None, :]
+        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)           # [BLOCK_M, HALF_K]
+        x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
+        gate_low, gate_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
+                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+        up_low, up_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                      scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+        acc_gate = tl.dot(x_even, gate_low, acc_gate, input_precision="ieee")
+        acc_gate = tl.dot(x_odd, gate_high, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(x_even, up_low, acc_up, input_precision="ieee")
+        acc_up = tl.dot(x_odd, up_high, acc_up, input_precision="ieee")
+    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    tl.store(hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                 hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                 rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row block, column block of D): the W2 GEMM over I, stored in float32 at the sorted rows."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    h_rows = hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
+    col_mask = cols < hidden_dim
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    j = tl.arange(0, HALF_K)
+    for k_start in range(0, inter_dim, BLOCK_K):
+        k_even = k_start + 2 * j
+        h_mask = row_mask[:, None] & (k_even < inter_dim)[None, :]
+        h_even = tl.load(h_rows + k_even[None, :], mask=h_mask, other=0.0)             # [BLOCK_M, HALF_K]
+        h_odd = tl.load(h_rows + (k_even + 1)[None, :], mask=h_mask, other=0.0)
+        w_low, w_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                    scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty)
+        acc = tl.dot(h_even, w_low, acc, input_precision="ieee")
+        acc = tl.dot(h_odd, w_high, acc, input_precision="ieee")
+    tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :], acc,
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check_tile(tile: Mxfp4Tile) -> None:
+    if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
+        raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
+                         f"of two >= 16, got {tile}")
+
+
+def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
+            activation: str, situ_beta: float | None, situ_linear_beta: float | None,
+            tile: Mxfp4Tile) -> torch.Tensor:
+    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
+    _check_tile(tile)
+    num_experts, two_inter, _ = w13_packed.shape
+    inter_dim, hidden_dim = two_inter // 2, x.shape[1]
+    num_blocks = blocks.block_experts.numel()
+    hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+        x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
+        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+        float(situ_beta if situ_beta is not None else 1.0),
+        float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+        TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return hidden
+
+
+def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, blocks: ExpertBlocks,
+         tile: Mxfp4Tile) -> torch.Tensor:
+    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
+    _check_tile(tile)
+    num_experts, hidden_dim, _ = w2_packed.shape
+    inter_dim = hidden.shape[1]
+    num_blocks = blocks.block_experts.numel()
+    rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+        hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
+        hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return rows_out
+
+
+def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                      w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
+                      situ_beta: float | None, situ_linear_beta: float | None,
+                      expert_offset: int = 0) -> torch.Tensor:
+    check_activation(activation, situ_beta)
+    hidden_dim, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
+    x, w13_packed, w13_scale, w2_packed, w2_scale = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13_packed, w13_scale, w2_packed, w2_scale))
+    expert_ids = expert_ids.long().contiguous()
+    num_tokens, num_experts = x.shape[0], w13_packed.shape[0]
+    out = torch.empty(num_tokens, hidden_dim, dtype=x.dtype, device=x.device)            # [T, D]
+    if num_tokens == 0 or expert_ids.shape[1] == 0:
+        return out.zero_()
+    top_k = expert_ids.shape[1]
+    chunk = max(1, PAIR_BUFFER_BYTES // (top_k * hidden_dim * 4))
+    for start in range(0, num_tokens, chunk):
+        end = min(num_tokens, start + chunk)
+        ids = expert_ids[start:end]
+        tile = mxfp4_tile(x.device, ids.numel(), num_experts)
+        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, tile.block_m)
+        hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
+                         situ_linear_beta, tile)
+        rows_out = down(hidden, w2_packed, w2_scale, blocks, tile)
+        combine_expert_rows(rows_out, blocks.row_of_pair, weights[start:end], ids, expert_offset, num_experts,
+                            out[start:end])
+    return out

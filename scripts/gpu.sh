@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The GPU runs behind conformance/results/ and bench/results/, one subcommand each, from the repository root:
+#
+#   bash scripts/gpu.sh conformance [OPS]     every cuda provider (bf16, fp32) against the float64 references and the
+#                                             whole model against the torch backend; OPS (comma-separated, e.g.
+#                                             kda_decode,mla_decode) limits the op level to those ops
+#   bash scripts/gpu.sh graphs                the engine's CUDA-graph decode against eager (tests/test_engine_graphs.py)
+#   bash scripts/gpu.sh kernels [ARGS]        python -m bench.kernels: every kernel against its anchor (--only CASES,
+#                                             --repeats N); installs the fla-core anchor from .whl/ when it is there
+#   bash scripts/gpu.sh model [ARGS]          python -m bench.model_bench --model k3-mini (BS=1 decode vs its memory
+#                                             floor, 8K prefill, 64 x 8K decode, cuda vs torch backend)
+#   bash scripts/gpu.sh serving [ARGS]        starts python -m k3core.serve on the GPU, runs python -m bench.serve_bench
+#                                             on the random and shared-prefix datasets (ARGS go to the server; MODEL
+#                                             and BACKEND override k3-mini and cuda)
+#   bash scripts/gpu.sh parallel [ARGS]       python -m bench.parallel_bench on 2 GPUs (--sections, --plans)
+#   bash scripts/gpu.sh tune prefill|decode|moe [ARGS]   python -m tools.tune.tune_<what>: checked config sweeps
+#   bash scripts/gpu.sh tune ncu [TARGET ...] Nsight Compute on one call per kernel (tools.tune.ncu_targets)
+#
+# Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
+# the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands
+# instead of running them.
+set -u
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
+OUT=${OUT:-/tmp/out}
+DRY_RUN=${DRY_RUN:-0}
+PY=${PYTHON:-python3}
+
+usage() {
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+# run LIMIT LOG CMD...: CMD under `timeout LIMIT` with its output in $OUT/LOG; prints the exit status
+run() {
+    local limit=$1 log=$2; shift 2
+    if [ "$DRY_RUN" = 1 ]; then echo "timeout $limit $*"; return 0; fi
+    timeout "$limit" "$@" > "$OUT/$log" 2>&1
+    local status=$?
+    echo "$* -> exit $status (124 = hit the ${limit}s limit; finished parts are in \$OUT)"
+    return $status
+}
+
+environment() {
+    [ "$DRY_RUN" = 1 ] && return 0
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+'gpus', torch.cuda.device_count())"
+    if [ -z "${K3CORE_COMMIT:-}" ]; then
+        K3CORE_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+        if [ "$K3CORE_COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+            K3CORE_COMMIT="$K3CORE_COMMIT+dirty"
+        fi
+    fi
+    export K3CORE_COMMIT
+    echo "commit $K3CORE_COMMIT"
+}
+
+# the fla-core anchor, from a wheel carried in .whl/ (the device machine has no package index)
+install_fla() {
+    [ "$DRY_RUN" = 1 ] && return 0
+    if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl \
+            && export PYTHONPATH=/tmp/site:$PYTHONPATH || echo "fla wheel install failed: fla rows say anchor unavailable"
+    else
+        echo "no .whl/fla_core-*.whl in the tree: fla rows say anchor unavailable"
+    fi
+}
+
+conformance() {
+    local ops=${1:-}
+    if [ -z "$ops" ]; then
+        run "${LIMIT:-420}" conformance.log "$PY" -m conformance --backend cuda --dtype bf16,fp32 --verbose \
+            --report "$OUT/conformance-cuda-h200" &
+    else
+        ( for op in ${ops//,/ }; do
+              run "${LIMIT:-150}" "conformance-$op.log" "$PY" -m conformance --backend cuda --op "$op" \
+                  --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-$op"
+          done ) &
+    fi
+    local ops_job=$!
+    run "${LIMIT:-420}" model_check.log "$PY" -m conformance.model_check --backend cuda --device cuda \
+        --dtype float32,bfloat16 --report "$OUT/model-cuda-h200"
+    wait $ops_job
+    [ "$DRY_RUN" = 1 ] && return 0
+    tail -n 40 "$OUT"/conformance*.log | cut -c1-220
+    tail -n 8 "$OUT/model_check.log"
+}
+
+kernels() {
+    install_fla
+    run "${LIMIT:-450}" bench_kernels.log "$PY" -m bench.kernels --out "$OUT" "$@"
+    [ "$DRY_RUN" = 1 ] && return 0
+    grep -vE "^(k3core kernel|ceilings|  |wrote |case |[a-z_]+ +[A-Z])" "$OUT/bench_kernels.log" | tail -n 15 | cut -c1-220
+    ls "$OUT"/kernels-*.md >/dev/null 2>&1 && tail -n 30 "$OUT"/kernels-*.md
+}
+
+model() {
+    run "${LIMIT:-300}" model_bench.log "$PY" -m bench.model_bench --model k3-mini --out "$OUT" "$@"
+    [ "$DRY_RUN" = 1 ] && return 0
+    grep -E "^\[" "$OUT/model_bench.log" | tail -n 12
+}
+
+serving() {
+    local port=${PORT:-30200} url
+    url=http://127.0.0.1:$port
+    local server=("$PY" -m k3core.serve --model "${MODEL:-k3-mini}" --backend "${BACKEND:-cuda}" --port "$port" "$@")
+    local client=("$PY" -m bench.serve_bench --url "$url" --num-prompts 64 --max-concurrency 16)
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "${server[*]}"
+        echo "timeout 300 ${client[*]} --dataset random --input-len 256 --output-len 64"
+        echo "timeout 300 ${client[*]} --dataset shared-prefix --num-groups 4 --prefix-len 1024 --question-len 32"
+        return 0
+    fi
+    # its own process group, so that stopping it also stops any process the server started (the engine)
+    setsid "${server[@]}" > "$OUT/server.log" 2>&1 &
+    local server_pid=$!
+    for _ in $(seq 1 180); do
+        curl -sf "$url/health" >/dev/null 2>&1 && break
+        kill -0 $server_pid 2>/dev/null || { echo "the server exited:"; tail -n 20 "$OUT/server.log"; return 1; }
+        sleep 1
+    done
+    run 300 serve_random.log "${client[@]}" --dataset random --input-len 256 --output-len 64 \
+        --output "$OUT/serve_bench_random.json"
+    run 300 serve_shared.log "${client[@]}" --dataset shared-prefix --num-groups 4 --prefix-len 1024 \
+        --question-len 32 --output "$OUT/serve_bench_shared_prefix_cache_on.json"
+    kill -TERM -- -"$server_pid" 2>/dev/null || kill -TERM "$server_pid"; wait "$server_pid" 2>/dev/null
+    tail -n 12 "$OUT/serve_random.log" "$OUT/serve_shared.log"
+}
+
+parallel() {
+    run "${LIMIT:-420}" parallel.log "$PY" -m bench.parallel_bench --out "$OUT" "$@"
+    [ "$DRY_RUN" = 1 ] && return 0
+    grep -E "^(correctness|speed) |Error|Traceback" "$OUT/parallel.log" | tail -n 30 | cut -c1-260
+    ls "$OUT"/parallel-*.md >/dev/null 2>&1 && cat "$OUT"/parallel-*.md
+}
+
+graphs() {
+    run "${LIMIT:-300}" graphs.log "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_graphs.py -k on_the_gpu -rs
+    [ "$DRY_RUN" = 1 ] && return 0
+    tail -n 5 "$OUT/graphs.log"
+}
+
+ncu() {
+    local targets=("$@")
+    [ ${#targets[@]} -gt 0 ] || targets=(kda_prefill_b1 kda_prefill_8x4k kda_decode_64 mla_decode_b1 mla_decode_b64)
+    local ncu_bin sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats"
+    sections="$sections --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters"
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+    [ -n "$ncu_bin" ] || ncu_bin=ncu
+    for t in "${targets[@]}"; do
+        # shellcheck disable=SC2086
+        run "${LIMIT:-150}" "ncu-$t.log" "$ncu_bin" --clock-control none --nvtx --nvtx-include "profile/" $sections \
+            --import-source yes -f -o "/tmp/ncu-$t" "$PY" -m tools.tune.ncu_targets "$t"
+        [ "$DRY_RUN" = 1 ] && continue
+        # the .ncu-rep files stay on the machine: the text pages below are what comes back
+        { echo "## $t: stall reasons"
+          "$ncu_bin" --import "/tmp/ncu-$t.ncu-rep" --page raw --csv | "$PY" -m tools.tune.ncu_report stalls
+          echo; echo "## $t: hottest SASS lines"
+          "$ncu_bin" --import "/tmp/ncu-$t.ncu-rep" --page source --csv --print-source sass \
+              | "$PY" -m tools.tune.ncu_report source
+          echo; echo "## $t: details"; "$ncu_bin" --import "/tmp/ncu-$t.ncu-rep" --page details
+        } > "$OUT/ncu-$t.txt" 2>&1
+        rm -f "$OUT/ncu-$t.log"
+        head -n 12 "$OUT/ncu-$t.txt" | cut -c1-250
+    done
+}
+
+tune() {
+    local what=${1:-}
+    shift || true
+    case "$what" in
+        prefill) install_fla
+                 run "${LIMIT:-560}" tune_prefill.log "$PY" -m tools.tune.tune_prefill --out "$OUT" "$@" ;;
+        decode)  run "${LIMIT:-330}" tune_decode.log "$PY" -m tools.tune.tune_decode --out "$OUT" "$@" ;;
+        moe)     run "${LIMIT:-400}" tune_moe.log "$PY" -m tools.tune.tune_moe --out "$OUT" "$@" ;;
+        ncu)     ncu "$@"; return ;;
+        *)       echo "bash scripts/gpu.sh tune: give prefill, decode, moe or ncu" >&2; return 2 ;;
+    esac
+    [ "$DRY_RUN" = 1 ] || tail -n 30 "$OUT/tune_$what.log" | cut -c1-260
+}
+
+command=${1:-}
+[ $# -gt 0 ] && shift
+case "$command" in
+    conformance|graphs|kernels|model|serving|parallel|tune)
+        mkdir -p "$OUT"; environment; "$command" "$@" ;;
+    -h|--help|help)
+        usage ;;
+    *)
+        usage >&2; exit 2 ;;
+esac

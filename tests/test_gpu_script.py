@@ -1,0 +1,74 @@
+"""scripts/gpu.sh, the one GPU entry script: every subcommand names modules that exist (a module moved without its
+caller would first fail on a device call), an unknown subcommand is refused with the usage, and the tuning tools
+still run as `python -m tools.tune.<module>`."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu.sh"
+
+SUBCOMMANDS = [
+    ["conformance"],
+    ["conformance", "kda_decode,mla_decode"],
+    ["graphs"],
+    ["kernels", "--only", "moe"],
+    ["model"],
+    ["serving"],
+    ["parallel"],
+    ["tune", "prefill"],
+    ["tune", "decode"],
+    ["tune", "moe"],
+    ["tune", "ncu", "kda_decode_64"],
+]
+
+
+def _dry_run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("args", SUBCOMMANDS, ids=lambda a: "-".join(a))
+def test_every_subcommand_runs_modules_that_exist(args, tmp_path):
+    done = _dry_run(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    modules = re.findall(r" -m ([A-Za-z_][\w.]*)", done.stdout)
+    assert modules, f"`gpu.sh {' '.join(args)}` printed no python -m command:\n{done.stdout}"
+    for module in modules:
+        if module == "pytest":
+            continue
+        assert importlib.util.find_spec(module) is not None, f"`gpu.sh {' '.join(args)}` runs missing {module}"
+    test_paths = re.findall(r"(tests/\S+\.py)", done.stdout)
+    assert all((ROOT / path).exists() for path in test_paths), test_paths
+
+
+def test_the_conformance_subcommand_limits_ops_when_asked(tmp_path):
+    done = _dry_run(["conformance", "kda_decode,mla_decode"], tmp_path)
+    assert re.findall(r"--op (\S+)", done.stdout) == ["kda_decode", "mla_decode"]
+    assert "conformance.model_check" in done.stdout
+    assert "--op" not in _dry_run(["conformance"], tmp_path).stdout
+
+
+def test_an_unknown_subcommand_is_refused_with_the_usage(tmp_path):
+    done = _dry_run(["next"], tmp_path)
+    assert done.returncode == 2
+    assert "bash scripts/gpu.sh conformance" in done.stderr and "bash scripts/gpu.sh tune" in done.stderr
+    done = _dry_run(["tune", "sweep"], tmp_path)
+    assert done.returncode == 2 and "prefill, decode, moe or ncu" in done.stderr
+
+
+def test_tuning_tools_run_as_modules_of_tools_tune():
+    done = subprocess.run([sys.executable, "-m", "tools.tune.ncu_report", "nonsense"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "python -m tools.tune.ncu_report" in done.stderr
+    for name in ("tune_prefill", "tune_decode", "tune_decode_report", "tune_moe", "ncu_targets", "kernel_profile"):
+        assert importlib.util.find_spec(f"tools.tune.{name}") is not None
+        assert not (ROOT / "bench" / f"{name}.py").exists(), f"bench/{name}.py is back beside tools/tune/{name}.py"

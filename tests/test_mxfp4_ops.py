@@ -1,0 +1,159 @@
+"""moe_experts_mxfp4: the torch reference and the interpreted Triton W4A16 kernel against the float64 oracle.
+
+The oracle is the dequantised float64 `moe_experts` (an independent path: `dequantize_mxfp4` then the bf16 op's
+reference); the Triton kernel's in-register decode is also checked byte by byte against `dequantize_mxfp4`.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3core.model.mxfp4 import dequantize_mxfp4
+from kernels.torch.moe import moe_experts
+from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+from kernels.triton import moe_mxfp4  # noqa: E402
+
+# float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
+# a sum scales with its terms, not with a result that cancels, so the bound also takes 1e-5 of the largest output
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _random_experts(gen: torch.Generator, experts: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every byte value (so every code, -0 included), scales giving rows of about 1/sqrt(cols)."""
+    base = 127 - round(math.log2(cols) / 2) - 1
+    packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(base - 1, base + 2, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
+    return packed, scale
+
+
+def _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids, activation, offset=0):
+    w13 = dequantize_mxfp4(w13_packed, w13_scale, torch.float64)
+    w2 = dequantize_mxfp4(w2_packed, w2_scale, torch.float64)
+    return moe_experts(x.double(), w13, w2, weights.double(), expert_ids, activation, 4.0, 25.0, offset)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert torch.isfinite(got).all()
+    error = (got.double() - want).abs()
+    bound = ATOL + RTOL * (want.abs() + want.abs().max())
+    assert (error <= bound).all(), f"max error {error.max():.3g}, worst {(error / bound).max():.3g} x bound"
+
+
+def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> torch.Tensor:
+    """Expert 0 gets no rows, expert 1 exactly one, the others many (more than a 16-row block)."""
+    ids = 2 + torch.rand(tokens, experts - 2, generator=gen).topk(top_k, dim=-1).indices
+    ids[tokens // 2, -1] = 1
+    return ids
+
+
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_uneven_experts_and_k_not_a_multiple_of_the_block(provider, activation):
+    # D = 96 and I = 96 are multiples of the 32-column scale group but not of the kernel's 64-column K step
+    gen = torch.Generator().manual_seed(11)
+    tokens, width, inter, experts, top_k = 41, 96, 96, 5, 2
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    x = torch.randn(tokens, width, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = _uneven_ids(gen, tokens, experts, top_k)
+    fn = reference if provider == "reference" else moe_mxfp4.moe_experts_mxfp4
+    got = fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation, 4.0, 25.0)
+    _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation))
+
+
+def test_expert_parallel_offset_drops_other_ranks_pairs():
+    gen = torch.Generator().manual_seed(12)
+    tokens, width, inter, experts, top_k, offset = 19, 64, 32, 3, 3, 3
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    x = torch.randn(tokens, width, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.rand(tokens, 9, generator=gen).topk(top_k, dim=-1).indices     # 0..8: a third are this rank's
+    want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", offset)
+    got = moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", 4.0,
+                                      25.0, offset)
+    _assert_close(got, want)
+    assert (got[(ids - offset).ge(0).logical_and((ids - offset).lt(experts)).sum(1) == 0] == 0).all()
+
+
+def test_scale_extremes_and_byte_255():
+    """Scale 254 (and 255, read as 254) on the first 32 columns with x of 2^-126 there, scale 0 (2^-127) on
+    scattered blocks of W2 (a decode that does not make those vanish, e.g. byte 0 read as 2^0, shows); the 254
+    block carries weight: read as 253 it moves the output far outside the bound."""
+    gen = torch.Generator().manual_seed(13)
+    tokens, width, inter, experts, top_k = 9, 64, 64, 2, 1
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    w13_packed[:, :, :16] &= 0xBB                                               # |code| <= 1.5: 1.5 * 2^127 is finite
+    w13_scale[:, :, 0] = torch.where(torch.rand(experts, 2 * inter, generator=gen) < 0.5, 254, 255).to(torch.uint8)
+    w2_scale[:, ::3, 1] = 0
+    x = torch.randn(tokens, width, generator=gen)
+    x[:, :32] = x[:, :32].sign() * (1 + x[:, :32].abs()) * 2.0 ** -126
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
+    for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
+        _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
+    # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
+    halved = w13_scale.clone()
+    halved[:, :, 0] = 253
+    moved = _oracle(x, w13_packed, halved, w2_packed, w2_scale, weights, ids, "silu")
+    assert ((moved - want).abs() > 100 * (ATOL + RTOL * (want.abs() + want.abs().max()))).any()
+
+
+def test_empty_batch_and_shape_errors():
+    gen = torch.Generator().manual_seed(14)
+    w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
+    w2_packed, w2_scale = _random_experts(gen, 2, 64, 32)
+    empty = torch.zeros(0, 64)
+    ids, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
+        assert fn(empty, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0).shape == (0, 64)
+        with pytest.raises(ValueError, match="uint8"):
+            fn(empty, w13_packed.float(), w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0)
+        with pytest.raises(ValueError, match=r"\[E, D, I/2\]"):
+            fn(empty, w13_packed, w13_scale, w2_packed[:, :, :8], w2_scale, weights, ids, "silu", 4.0, 25.0)
+
+
+def test_reference_float64_is_exact_where_float32_overflows():
+    """6 * 2^127 is inf in float32; the float64 oracle must keep it finite (no silent inf in the reference)."""
+    packed = torch.full((1, 1, 16), 0x77, dtype=torch.uint8)                   # every code 6
+    scale = torch.full((1, 1, 1), 254, dtype=torch.uint8)
+    assert torch.isinf(dequantize_mxfp4(packed, scale)).all()
+    assert (dequantize_mxfp4(packed, scale, torch.float64) == 6 * 2.0 ** 127).all()
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HALF_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)
+    expert = tl.program_id(0) * 0                                                # one expert, as a tensor
+    low, high = moe_mxfp4._mxfp4_tile(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
+                                      rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K, BLOCK_N,
+                                      tl.float32)
+    j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)
+    offsets = rows[None, :] * (num_k // 2) + j[:, None]                          # [HALF_K, BLOCK_N] of [N, K/2]
+    mask = (rows < num_rows)[None, :] & (j < num_k // 2)[:, None]
+    tl.store(low_ptr + offsets, low, mask=mask)
+    tl.store(high_ptr + offsets, high, mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
+def test_in_register_decode_matches_dequantize_for_every_byte_and_scale():
+    scales = [0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255]
+    num_k = 512                                                                  # 256 bytes: one of each value
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)        # [N, K/2]
+    scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
+    scale[:, 1::2] = 127                                                         # neighbouring groups differ
+    low = torch.full((len(scales), num_k // 2), float("nan"))
+    high = torch.full_like(low, float("nan"))
+    _decode_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32, BLOCK_N=16)
+    want = dequantize_mxfp4(packed, scale)                                       # [N, K] float32
+    assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
