@@ -20,6 +20,8 @@ import yaml
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
+EXPERT_FORMATS = ("bf16", "mxfp4")
+
 LayerKind = Literal["kda", "mla"]
 MlpKind = Literal["dense", "moe"]
 
@@ -80,6 +82,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_latent_size: int | None = None           # LatentMoE: experts compute at this width; None = full width
     moe_latent_norm: bool = False                # RMSNorm on the combined latent output
+    num_expert_group: int = 1                    # grouped top-k (DeepSeek-V3 style): experts in this many groups,
+    topk_group: int = 1                          # ... and the top-k chosen within the best topk_group of them
+    # routed-expert storage: "bf16" (the model dtype) or "mxfp4" (packed E2M1 codes + E8M0 scales per 32 inputs,
+    # as the K3 checkpoint ships them; k3core.model.mxfp4)
+    expert_format: Literal["bf16", "mxfp4"] = "bf16"
 
     # Attention Residuals
     attn_res: bool = False
@@ -171,6 +178,19 @@ class ModelConfig:
                  "must be positive or null")
             need(not self.moe_latent_norm or self.moe_latent_size is not None, "moe_latent_norm",
                  "needs moe_latent_size (the norm acts on the latent output)")
+            need(self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0, "num_expert_group",
+                 f"must be a positive divisor of num_experts ({self.num_experts})")
+            need(1 <= self.topk_group <= self.num_expert_group, "topk_group",
+                 f"must be in 1..num_expert_group ({self.num_expert_group})")
+            need(self.num_experts_per_token <= self.topk_group * (self.num_experts // self.num_expert_group),
+                 "topk_group", f"leaves fewer experts than num_experts_per_token ({self.num_experts_per_token}) "
+                 "to choose from")
+            need(self.expert_format in EXPERT_FORMATS, "expert_format",
+                 f"must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}")
+            if self.expert_format == "mxfp4":
+                need(self.moe_intermediate_size % 32 == 0 and self.expert_width % 32 == 0, "expert_format",
+                     f"mxfp4 needs moe_intermediate_size ({self.moe_intermediate_size}) and the expert width "
+                     f"({self.expert_width}) to be multiples of 32 (one E8M0 scale per 32 inputs); use bf16")
         if self.attn_res:
             need(self.attn_res_block_size > 0, "attn_res_block_size", "must be positive")
 

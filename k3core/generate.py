@@ -18,11 +18,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="torch", help="auto | cuda | rocm | torch")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--expert-format", default=None, choices=["mxfp4", "bf16"],
+                        help="routed-expert storage (default: as the checkpoint or preset has them)")
     args = parser.parse_args(argv)
 
     from k3core import LLM, SamplingParams
     try:
-        llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype)
+        llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+                  expert_format=args.expert_format)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         out = llm.generate([args.prompt], params)[0]
     except (ValueError, FileNotFoundError) as exc:

@@ -6,6 +6,8 @@
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
     outs[0].token_ids                       # the generated tokens only
 
+`expert_format="mxfp4"` holds the routed experts packed (MXFP4, W4A16 kernels) even for a bf16 checkpoint or a
+preset, `"bf16"` dequantises an MXFP4 checkpoint's experts; the default keeps what the checkpoint has.
 Further keywords are engine options (`k3core.engine.EngineOptions`), e.g. `LLM("k3-mini", backend="cuda",
 device="cuda", dtype="bf16", cuda_graphs=True)` replays decode steps from CUDA graphs.
 """
@@ -76,7 +78,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 class LLM:
     def __init__(self, model: str = "k3-tiny", backend: str = "torch", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", seed: int = 0, plan: "ParallelPlan | None" = None,
-                 rank: int = 0, **engine_options):
+                 rank: int = 0, expert_format: str | None = None, **engine_options):
         from k3core.parallel.comm import SINGLE, build_communicator
         from k3core.parallel.plan import ParallelPlan
         from k3core.parallel.runner import ModelRunner
@@ -85,6 +87,8 @@ class LLM:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.config: ModelConfig = load_config(model)
+        if expert_format is not None:            # "mxfp4" | "bf16": the loader converts a checkpoint's experts
+            self.config = self.config.replace(expert_format=expert_format)
         self.model_name = str(model)
         self.plan = plan or ParallelPlan()
         self.plan.check(self.config)

@@ -17,7 +17,7 @@ from k3core.config import ModelConfig
 from k3core.hf_config import k3_config_dict
 from k3core.model.loader import SAFETENSORS_FILE, SAFETENSORS_INDEX
 from k3core.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from k3core.model.weights import expected_tensors
+from k3core.model.weights import expected_tensors, is_routed_expert
 
 K3_PREFIX = "language_model."
 
@@ -27,7 +27,10 @@ def save_k3_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, di
     """Write `weights` (canonical names) as a K3 checkpoint; returns the canonical weights the directory now holds.
 
     The returned dict equals `weights` except that MXFP4-quantised experts are replaced by their dequantised values
-    (in the dtype they were given), so a caller can compare a loaded checkpoint against it exactly.
+    (in the dtype they were given), so a caller can compare a loaded checkpoint against it exactly. Experts that
+    are already MXFP4 (`config.expert_format == "mxfp4"`: packed + scale tensors) are written byte for byte, or
+    dequantised to float32 when `mxfp4_experts` is False, and returned as given. With `mxfp4_experts` the
+    config.json carries the published `quantization_config` (compressed-tensors `mxfp4-pack-quantized`).
     """
     expected = expected_tensors(config)
     absent = [name for name in expected if name not in weights]
@@ -40,7 +43,7 @@ def save_k3_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, di
     held = dict(weights)
     for name in expected:
         tensor = weights[name].detach().cpu()
-        if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
+        if is_routed_expert(name):
             continue   # written expert by expert below
         if name.endswith(".self_attn.A_log"):
             stored[K3_PREFIX + name] = _padded_a_log(tensor, config)
@@ -52,10 +55,13 @@ def save_k3_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, di
             held[name], held[prefix + ".w2"] = _write_experts(prefix, weights[name].detach().cpu(),
                                                               weights[prefix + ".w2"].detach().cpu(),
                                                               config, mxfp4_experts, stored)
+        elif name.endswith(".mlp.experts.w13_packed"):
+            _write_packed_experts(name[: -len(".w13_packed")], weights, config, mxfp4_experts, stored)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "config.json", "w") as handle:
-        json.dump(k3_config_dict(config), handle, indent=2)
+        json.dump(k3_config_dict(config.replace(expert_format="mxfp4" if mxfp4_experts else "bf16")), handle,
+                  indent=2)
     _write_shards(stored, directory, num_shards)
     return held
 
@@ -98,6 +104,25 @@ def _write_experts(prefix: str, w13: torch.Tensor, w2: torch.Tensor, config: Mod
                 rows = slice(0, inner) if part == "w1" else slice(inner, 2 * inner)
                 held13[expert, rows] = dense
     return held13, held2
+
+
+def _write_packed_experts(prefix: str, weights: dict[str, torch.Tensor], config: ModelConfig, mxfp4: bool,
+                          stored: dict[str, torch.Tensor]) -> None:
+    """Store MXFP4-held experts per expert: their bytes as they are, or dequantised (float32) when not `mxfp4`."""
+    inner = config.moe_intermediate_size
+    k3_prefix = _k3_name(prefix, config)
+    tensors = {field: weights[f"{prefix}.{field}"].detach().cpu()
+               for field in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")}
+    for expert in range(config.num_experts):
+        for part, source, rows in (("w1", "w13", slice(0, inner)), ("w3", "w13", slice(inner, 2 * inner)),
+                                   ("w2", "w2", slice(None))):
+            packed = tensors[source + "_packed"][expert, rows].clone()
+            scale = tensors[source + "_scale"][expert, rows].clone()
+            base = f"{k3_prefix}.{expert}.{part}"
+            if mxfp4:
+                stored[base + ".weight_packed"], stored[base + ".weight_scale"] = packed, scale
+            else:
+                stored[base + ".weight"] = dequantize_mxfp4(packed, scale)
 
 
 def _write_shards(stored: dict[str, torch.Tensor], directory: Path, num_shards: int) -> None:

@@ -20,6 +20,29 @@ class DenseMlp:
         return F.linear(hidden, self.w_down)
 
 
+class RoutedExperts:
+    """This rank's routed experts in the format the config holds them: dense (w13 [E, 2I, De], w2 [E, De, I]) for
+    `moe_experts`, or MXFP4 (packed codes + E8M0 scales, k3core.model.mxfp4) for `moe_experts_mxfp4`."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+        self.config = config
+        self.packed = config.expert_format == "mxfp4"
+        names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.packed else ("w13", "w2")
+        self.tensors = tuple(weights[prefix + name] for name in names)
+
+    @property
+    def num_experts(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def forward(self, ops, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+                expert_offset: int) -> torch.Tensor:
+        """x [T, De], weights/expert_ids [T, k] -> [T, De]: the op of the held format."""
+        c = self.config
+        op = ops.moe_experts_mxfp4 if self.packed else ops.moe_experts
+        return op(x, *self.tensors, weights, expert_ids, c.activation, c.situ_beta, c.situ_linear_beta,
+                  expert_offset)
+
+
 class MoeMlp:
     """Router and shared experts read the full-width x; routed experts run at the latent width when LatentMoE is on,
     and the combined latent output is normalised (after the weighted sum) before projecting back up."""
@@ -37,7 +60,7 @@ class MoeMlp:
         self.expert_offset = expert_offset
         self.w_router = w("gate.weight").float()                                       # [E, H]
         self.correction_bias = w("gate.e_score_correction_bias").float() if config.router_correction_bias else None
-        self.w13, self.w2 = w("experts.w13"), w("experts.w2")                           # [E, 2I, De], [E, De, I]
+        self.experts = RoutedExperts(config, weights, prefix + "experts.")
         self.shared = DenseMlp(config, weights, prefix + "shared_experts.") if config.num_shared_experts else None
         if config.moe_latent_size is not None:
             self.w_latent_down = w("routed_expert_down_proj.weight")                    # [De, H]
@@ -50,14 +73,13 @@ class MoeMlp:
         c = self.config
         logits = F.linear(x.float(), self.w_router)                                    # [T, E] float32
         route = ops.moe_route(logits, self.correction_bias, c.num_experts_per_token, c.router_scoring,
-                              c.moe_renormalize, c.routed_scaling_factor)
+                              c.moe_renormalize, c.routed_scaling_factor, c.num_expert_group, c.topk_group)
         z = F.linear(x, self.w_latent_down) if self.w_latent_down is not None else x     # [T, De]
         if self.ep_group is not None:
             from k3core.parallel.expert_dispatch import dispatch_experts
-            y = dispatch_experts(ops, self.ep_group, z, route, self.w13, self.w2, self.expert_offset, c)
+            y = dispatch_experts(ops, self.ep_group, z, route, self.experts, self.expert_offset, c)
         else:
-            y = ops.moe_experts(z, self.w13, self.w2, route.weights, route.expert_ids, c.activation, c.situ_beta,
-                                c.situ_linear_beta, self.expert_offset)
+            y = self.experts.forward(ops, z, route.weights, route.expert_ids, self.expert_offset)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         if self.w_latent_norm is not None:

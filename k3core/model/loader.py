@@ -9,8 +9,11 @@ refused with the way to convert them. Three naming schemes map to the canonical 
     convs fused as `self_attn.conv1d.weight` [3P, 1, Kc], experts stacked as `gate_up_proj` [E, 2I, H] and
     `down_proj` [E, H, I];
 (c) Kimi-K3: a `language_model.` prefix, AttnRes and LatentMoE tensors, `A_log` padded to [head_dim] (the first
-    kda_num_heads entries are the per-head values), MXFP4 routed experts (`weight_packed` + `weight_scale`,
-    dequantised here); vision tower and projector tensors are ignored.
+    kda_num_heads entries are the per-head values), MXFP4 routed experts (`weight_packed` + `weight_scale`);
+    vision tower and projector tensors are ignored.
+
+Routed experts are held in `config.expert_format`: with "mxfp4" the packed bytes are kept as stored (a bf16
+checkpoint's experts are quantised here), with "bf16" an MXFP4 checkpoint's experts are dequantised.
 
 Every expected tensor must be found with the right shape: missing, unexpected and mis-shaped tensors are collected
 and reported together, and nothing is ever left random.
@@ -27,8 +30,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from k3core.config import ModelConfig
-from k3core.model.mxfp4 import dequantize_mxfp4
-from k3core.model.weights import TensorSpec, expected_tensors
+from k3core.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3core.model.weights import TensorSpec, expected_tensors, is_routed_expert
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -129,10 +132,13 @@ def route(stored_name: str, config: ModelConfig, expected: dict[str, TensorSpec]
         name = name[: -len("gate_up_proj")] + "w13"
     elif name.endswith(".mlp.experts.down_proj"):
         name = name[: -len("down_proj")] + "w2"
+    if name.endswith((".mlp.experts.w13", ".mlp.experts.w2")) and name + "_packed" in expected:
+        return Route("quantize", name)                  # stacked dense experts held as MXFP4
     expert = _EXPERT.match(name)
     if expert:
         prefix, index, part, field = expert.groups()
-        if prefix + ".w13" not in expected or int(index) >= config.num_experts:
+        if (prefix + ".w13" not in expected and prefix + ".w13_packed" not in expected) or \
+                int(index) >= config.num_experts:
             return None
         return Route("expert", prefix, int(index), part, field)
     if name not in expected:
@@ -163,10 +169,12 @@ def _shape_text(shape: tuple[int, ...] | torch.Size) -> str:
 
 
 class _ExpertSlots:
-    """Fills the stacked w13/w2 of one MoE layer from per-expert tensors (plain or MXFP4 pairs)."""
+    """Fills the stacked experts of one MoE layer (dense w13/w2, or their MXFP4 packed + scale tensors) from
+    per-expert tensors (plain or MXFP4 pairs), converting between the formats where the checkpoint's differs."""
 
     def __init__(self, config: ModelConfig) -> None:
         self.inner, self.width = config.moe_intermediate_size, config.expert_width
+        self.packed = config.expert_format == "mxfp4"
         self.filled: dict[str, set[tuple[int, str]]] = {}
         self.pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}   # MXFP4 halves awaiting their pair
 
@@ -174,26 +182,34 @@ class _ExpertSlots:
         rows, cols = (self.width, self.inner) if part == "w2" else (self.inner, self.width)
         return {"weight": (rows, cols), "weight_packed": (rows, cols // 2), "weight_scale": (rows, cols // 32)}[field]
 
-    def take(self, r: Route, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The dense float weight of (expert, part) once complete, else None (half of an MXFP4 pair)."""
+    def take(self, r: Route, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """(expert, part) once complete, in the held format: (dense float weight,) or (packed, scale); None while
+        half of an MXFP4 pair waits for the other."""
         if r.field == "weight":
-            return tensor
+            return quantize_mxfp4(tensor) if self.packed else (tensor,)
         key = (r.target, r.expert, r.part)
         halves = self.pending.setdefault(key, {})
         halves[r.field] = tensor
         if len(halves) < 2:
             return None
         del self.pending[key]
-        return dequantize_mxfp4(halves["weight_packed"], halves["weight_scale"])   # float32 [rows, cols]
+        packed, scale = halves["weight_packed"], halves["weight_scale"]
+        return (packed, scale) if self.packed else (dequantize_mxfp4(packed, scale),)   # float32 [rows, cols]
 
-    def place(self, weights: dict[str, torch.Tensor], r: Route, dense: torch.Tensor) -> None:
+    def place(self, weights: dict[str, torch.Tensor], r: Route, parts: tuple[torch.Tensor, ...]) -> None:
         inner = self.inner
-        if r.part == "w2":
-            weights[r.target + ".w2"][r.expert].copy_(dense)               # [De, I]
-        else:
-            rows = slice(0, inner) if r.part == "w1" else slice(inner, 2 * inner)     # w13: gate rows, then up rows
-            weights[r.target + ".w13"][r.expert, rows].copy_(dense)        # [I, De]
+        fields = ("_packed", "_scale") if self.packed else ("",)
+        for suffix, value in zip(fields, parts):
+            if r.part == "w2":
+                weights[r.target + ".w2" + suffix][r.expert].copy_(value)  # [De, I(/2 or /32)]
+            else:
+                rows = slice(0, inner) if r.part == "w1" else slice(inner, 2 * inner)  # w13: gate rows, then up rows
+                weights[r.target + ".w13" + suffix][r.expert, rows].copy_(value)       # [I, De(/2 or /32)]
         self.filled.setdefault(r.target, set()).add((r.expert, r.part))
+
+    def stacked_names(self, prefix: str) -> tuple[str, ...]:
+        fields = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.packed else ("w13", "w2")
+        return tuple(f"{prefix}.{field}" for field in fields)
 
     def missing(self, prefix: str, num_experts: int) -> list[str]:
         have = self.filled.get(prefix, set())
@@ -221,14 +237,14 @@ def load_checkpoint(path: str | Path, config: ModelConfig, dtype: torch.dtype = 
     """Canonical name -> tensor on `device`; "weight" tensors in `dtype`, "fp32" tensors in float32."""
     files = checkpoint_files(path)
     expected = expected_tensors(config)
-    fused_experts = {name for name in expected if name.endswith((".mlp.experts.w13", ".mlp.experts.w2"))}
+    fused_experts = {name for name in expected if is_routed_expert(name)}
     weights: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     problems = _Problems()
     experts = _ExpertSlots(config)
 
     def target_dtype(name: str) -> torch.dtype:
-        return torch.float32 if expected[name].kind == "fp32" else dtype
+        return {"fp32": torch.float32, "uint8": torch.uint8}.get(expected[name].kind, dtype)
 
     def store(name: str, tensor: torch.Tensor, stored_name: str) -> None:
         spec = expected[name]
@@ -258,6 +274,8 @@ def load_checkpoint(path: str | Path, config: ModelConfig, dtype: torch.dtype = 
                 store(r.target, _per_head_a_log(tensor, config), stored_name)
             elif r.kind == "conv_qkv":
                 _split_conv(stored_name, r.target, tensor, config, store, problems)
+            elif r.kind == "quantize":
+                _store_quantized(stored_name, r.target, tensor, expected, store, problems)
             else:
                 _load_expert(stored_name, r, tensor, experts, weights, expected, device, dtype, problems)
     for name, spec in expected.items():
@@ -305,11 +323,26 @@ def _load_expert(stored_name: str, r: Route, tensor: torch.Tensor, experts: _Exp
     if r.field != "weight" and tensor.dtype != torch.uint8:
         problems.misshaped.append(f"{stored_name}: MXFP4 tensors must be uint8, got {tensor.dtype}")
         return
-    dense = experts.take(r, tensor)
-    if dense is None:
+    parts = experts.take(r, tensor)
+    if parts is None:
         return
-    for name in (r.target + ".w13", r.target + ".w2"):
+    for name in experts.stacked_names(r.target):
         if name not in weights:
-            # NaN until filled: a slot the checkpoint never writes is reported as missing, never used
-            weights[name] = torch.full(expected[name].shape, float("nan"), dtype=dtype, device=device)
-    experts.place(weights, r, dense.to(device))
+            # NaN (or 0xFF bytes) until filled: a slot the checkpoint never writes is reported as missing, never used
+            held = torch.uint8 if expected[name].kind == "uint8" else dtype
+            weights[name] = torch.full(expected[name].shape, 255 if held == torch.uint8 else float("nan"), dtype=held,
+                                       device=device)
+    experts.place(weights, r, tuple(part.to(device) for part in parts))
+
+
+def _store_quantized(stored_name: str, name: str, tensor: torch.Tensor, expected: dict[str, TensorSpec],
+                     store: Callable[[str, torch.Tensor, str], None], problems: _Problems) -> None:
+    """Stacked dense experts [E, N, K] (transformers' names) held as MXFP4: quantised, then stored as the pair."""
+    packed_shape = expected[name + "_packed"].shape
+    want = (*packed_shape[:-1], packed_shape[-1] * 2)
+    if tuple(tensor.shape) != want:
+        problems.misshaped.append(f"{stored_name}: got {_shape_text(tensor.shape)}, expected {_shape_text(want)}")
+        return
+    packed, scale = quantize_mxfp4(tensor)
+    store(name + "_packed", packed, stored_name)
+    store(name + "_scale", scale, stored_name)

@@ -7,6 +7,9 @@ correction bias) stay float32 because the KDA gate, the conv and expert selectio
 
 Layouts worth knowing: `mlp.experts.w13` is [E, 2*I, De] with the gate (w1) rows first and the up (w3) rows
 second (non-interleaved); `mlp.experts.w2` is [E, De, I]; De is `config.expert_width` (the LatentMoE width).
+With `config.expert_format == "mxfp4"` the routed experts are held packed instead, as the checkpoint stores them
+("uint8" tensors): `mlp.experts.w13_packed` [E, 2*I, De/2] + `mlp.experts.w13_scale` [E, 2*I, De/32] and
+`mlp.experts.w2_packed` [E, De, I/2] + `mlp.experts.w2_scale` [E, De, I/32] (k3core.model.mxfp4).
 """
 from __future__ import annotations
 
@@ -16,11 +19,21 @@ from typing import NamedTuple
 import torch
 
 from k3core.config import ModelConfig
+from k3core.model.mxfp4 import quantize_mxfp4
 
 
 class TensorSpec(NamedTuple):
     shape: tuple[int, ...]
-    kind: str            # "weight" (model dtype) or "fp32" (always float32)
+    kind: str            # "weight" (model dtype), "fp32" (always float32) or "uint8" (MXFP4 codes and scales)
+
+
+DENSE_EXPERT_FIELDS = ("w13", "w2")
+MXFP4_EXPERT_FIELDS = ("w13_packed", "w13_scale", "w2_packed", "w2_scale")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether a canonical name is a routed-expert tensor (dense or MXFP4), dimension 0 being the expert."""
+    return name.rpartition(".mlp.experts.")[2] in DENSE_EXPERT_FIELDS + MXFP4_EXPERT_FIELDS
 
 
 class ParamCount(NamedTuple):
@@ -117,8 +130,14 @@ def _moe_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     out = {"mlp.gate.weight": TensorSpec((E, H), "weight")}
     if config.router_correction_bias:
         out["mlp.gate.e_score_correction_bias"] = TensorSpec((E,), "fp32")
-    out["mlp.experts.w13"] = TensorSpec((E, 2 * inner, width), "weight")
-    out["mlp.experts.w2"] = TensorSpec((E, width, inner), "weight")
+    if config.expert_format == "mxfp4":
+        out["mlp.experts.w13_packed"] = TensorSpec((E, 2 * inner, width // 2), "uint8")
+        out["mlp.experts.w13_scale"] = TensorSpec((E, 2 * inner, width // 32), "uint8")
+        out["mlp.experts.w2_packed"] = TensorSpec((E, width, inner // 2), "uint8")
+        out["mlp.experts.w2_scale"] = TensorSpec((E, width, inner // 32), "uint8")
+    else:
+        out["mlp.experts.w13"] = TensorSpec((E, 2 * inner, width), "weight")
+        out["mlp.experts.w2"] = TensorSpec((E, width, inner), "weight")
     if config.num_shared_experts:
         shared = inner * config.num_shared_experts
         out["mlp.shared_experts.gate_proj.weight"] = TensorSpec((shared, H), "weight")
@@ -137,8 +156,12 @@ def count_parameters(config: ModelConfig) -> ParamCount:
     total = active = 0
     for name, spec in expected_tensors(config).items():
         numel = math.prod(spec.shape)
+        if name.endswith("_scale") and spec.kind == "uint8":
+            continue                                                          # MXFP4 scales are not parameters
+        if name.endswith("_packed") and spec.kind == "uint8":
+            numel *= 2                                                        # two parameters per byte
         total += numel
-        if name.endswith(("mlp.experts.w13", "mlp.experts.w2")):
+        if is_routed_expert(name):
             numel = numel // config.num_experts * config.num_experts_per_token   # dim 0 is the expert
         active += numel
     return ParamCount(total=total, active=active)
@@ -157,14 +180,22 @@ def init_random_weights(config: ModelConfig, seed: int, dtype: torch.dtype = tor
     norm weights U(0.9, 1.1) (not exactly 1, so a transposed or misplaced norm weight shows up in tests),
     A_log = log U(1, 16) and dt_bias as flash-linear-attention initialises them, a small random router bias and
     small AttnRes pseudo-queries (all-zero queries would make every depth mix uniform and hide bugs).
+    MXFP4 experts are the bf16 format's draws (same stream), quantised: the MXFP4 model of a seed is the nearest
+    MXFP4 model to the bf16 one.
     """
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, spec in expected_tensors(config).items():
+        if spec.kind == "uint8":
+            if name.endswith("_packed"):
+                dense_shape = (*spec.shape[:-1], spec.shape[-1] * 2)
+                dense = _random_tensor(name, TensorSpec(dense_shape, "weight"), config, generator, device)
+                weights[name], weights[name.removesuffix("_packed") + "_scale"] = quantize_mxfp4(dense)
+            continue
         value = _random_tensor(name, spec, config, generator, device)       # float32
         weights[name] = value if spec.kind == "fp32" else value.to(dtype)
-    return weights
+    return {name: weights[name] for name in expected_tensors(config)}
 
 
 def _random_tensor(name: str, spec: TensorSpec, config: ModelConfig, generator: torch.Generator,

@@ -13,12 +13,13 @@ import torch
 from k3core.ops import RouteOut
 
 
-def dispatch_experts(ops, group, z: torch.Tensor, route: RouteOut, w13: torch.Tensor, w2: torch.Tensor,
-                     expert_offset: int, config) -> torch.Tensor:
-    """z [T, De] (replicated in the group), route over all experts -> routed output [T, De] (replicated)."""
+def dispatch_experts(ops, group, z: torch.Tensor, route: RouteOut, experts, expert_offset: int,
+                     config) -> torch.Tensor:
+    """z [T, De] (replicated in the group), route over all experts -> routed output [T, De] (replicated).
+    `experts` is this rank's `k3core.model.ffn.RoutedExperts` (dense or MXFP4)."""
     members, me = group.size, group.index
     num_tokens, top_k = route.expert_ids.shape
-    experts_per_rank = w13.shape[0]
+    experts_per_rank = experts.num_experts
     bounds = [num_tokens * i // members for i in range(members + 1)]
     start, end = bounds[me], bounds[me + 1]
     ids = route.expert_ids[start:end].reshape(-1)                                     # [Tm * k]
@@ -31,8 +32,7 @@ def dispatch_experts(ops, group, z: torch.Tensor, route: RouteOut, w13: torch.Te
     recv_ids, _ = group.all_to_all(ids[order][:, None], send_counts)                  # [P, 1]
     recv_weights, _ = group.all_to_all(weights[order][:, None].float(), send_counts)  # [P, 1]
     # each received pair is one (row, expert, weight): a top-1 problem for this rank's experts
-    out = ops.moe_experts(rows, w13, w2, recv_weights, recv_ids, config.activation, config.situ_beta,
-                          config.situ_linear_beta, expert_offset)                     # [P, De]
+    out = experts.forward(ops, rows, recv_weights, recv_ids, expert_offset)          # [P, De]
     back, _ = group.all_to_all(out.float(), recv_counts)                              # [Tm * k, De] in `order`
     combined = torch.zeros(end - start, z.shape[1], dtype=torch.float32, device=z.device)
     combined.index_add_(0, token[order] - start, back)                               # sum the k choices

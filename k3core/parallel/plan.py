@@ -107,6 +107,9 @@ class ParallelPlan:
             else:
                 need(config.moe_intermediate_size % self.tp == 0,
                      f"tp ({self.tp}) must divide moe_intermediate_size ({config.moe_intermediate_size})")
+                need(config.expert_format != "mxfp4" or (config.moe_intermediate_size // self.tp) % 32 == 0,
+                     f"MXFP4 experts split by tp ({self.tp}) need a multiple of 32 of moe_intermediate_size "
+                     f"({config.moe_intermediate_size}) per rank (one scale per 32 columns); use ep or bf16 experts")
 
     # ---- layers -----------------------------------------------------------------------------------
     def layer_ranges(self, config: ModelConfig) -> list[range]:
@@ -139,9 +142,9 @@ class ParallelPlan:
                 return "rows"
             if field in ("down_proj.weight", "shared_experts.down_proj.weight"):
                 return "cols"
-            if field == "experts.w13":
+            if field in ("experts.w13", "experts.w13_packed", "experts.w13_scale"):     # MXFP4 splits alike
                 return "experts" if self.ep > 1 else "gate_up_rows"
-            if field == "experts.w2":
+            if field in ("experts.w2", "experts.w2_packed", "experts.w2_scale"):
                 return "experts" if self.ep > 1 else "expert_cols"
             return "replicate"            # router, bias, latent projections and norm
         return "replicate"                # embeddings, lm_head, norms, AttnRes weights

@@ -20,6 +20,7 @@ class ServerArgs:
     backend: str = "auto"
     device: str = "auto"                     # auto: cpu for the default k3-tiny, else the GPU when there is one
     dtype: str = "auto"                      # auto: float32 on the CPU, bfloat16 on a GPU
+    expert_format: str | None = None         # routed experts: mxfp4 | bf16 (default: as the checkpoint has them)
     seed: int = 0
     cpu_threads: int | None = None           # torch intra-op threads on the CPU; None: all cores but one
     host: str = "127.0.0.1"
@@ -92,6 +93,8 @@ _HELP = {
     "backend": "op backend: auto | cuda | rocm | torch",
     "device": "cpu, cuda, cuda:1, ... (auto: cpu for the default k3-tiny, else a GPU when one is visible)",
     "dtype": "float32 | bfloat16 | float16 (auto: float32 on the CPU, bfloat16 on a GPU)",
+    "expert_format": "routed-expert storage, mxfp4 (packed, W4A16 kernels) or bf16 (default: as the checkpoint "
+                     "stores them; a preset's own setting)",
     "seed": "seed of the random weights of a preset",
     "cpu_threads": "torch threads when the model runs on the CPU (default: all cores but one, which is left to "
                    "the HTTP side)",

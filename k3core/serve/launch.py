@@ -28,7 +28,7 @@ def _build_llm(args: ServerArgs):
         # cores, 2 threads decoded k3-tiny >10x slower than 1.
         torch.set_num_threads(args.resolved_cpu_threads())
     return LLM(args.model, backend=args.backend, device=args.resolved_device(), dtype=args.resolved_dtype(),
-               seed=args.seed, **args.engine_options())
+               seed=args.seed, expert_format=args.expert_format, **args.engine_options())
 
 
 @dataclass

@@ -35,7 +35,7 @@ def build_rank_llm(args: ServerArgs, rank: int, setup: DistSetup):
     if device.type == "cpu":
         torch.set_num_threads(1)
     return LLM(args.model, backend=args.backend, device=str(device), dtype=args.resolved_dtype(), seed=args.seed,
-               plan=plan, rank=rank, **args.engine_options())
+               plan=plan, rank=rank, expert_format=args.expert_format, **args.engine_options())
 
 
 def _follower_main(args: ServerArgs, local_rank: int, setup: DistSetup) -> None:
