@@ -62,18 +62,6 @@ class ModelRunner:
             return None
         return torch.cat(logits)[_logit_order(work, micro).to(self.device)]
 
-    def sample(self, logits: torch.Tensor | None, temperature, top_k, top_p, min_p, generators) -> list[int]:
-        tokens = None
-        if self.comm.rank == self.sampler_rank:     # only this rank's per-request generators ever advance
-            # each row's draw key comes from its generator (None: the global RNG), one per step
-            seeds = torch.cat([torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), generator=g,
-                                             device=g.device if g is not None else logits.device)
-                               for g in generators]).to(logits.device)
-            positions = torch.zeros_like(seeds)
-            tokens = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions,
-                                     logits.shape[-1]).tolist()
-        return self.comm.broadcast_object(tokens, src=self.sampler_rank)
-
     # ---- helpers ---------------------------------------------------------------------------------
     def _batch(self, work: Sequence[SeqWork], future: FutureTokens | None = None):
         return build_forward_batch(work, self.page_size, self.device, self.dcp_size, self.dcp_rank, future)
