@@ -1,14 +1,21 @@
-"""Registers, local-memory stack (spills), shared memory and SASS instructions per program of the KDA prefill
-kernels, compiled offline.
+"""Registers, spills, LDS / shared memory and occupancy of every kernel launch, compiled offline for a GPU that is
+not here.
 
-    python -m bench.kernel_resources                  # sm_90, the table configs and a few neighbours
-    python -m bench.kernel_resources --arch 100       # another NVIDIA target
+    python -m bench.kernel_resources --arch gfx942            # every launch of the rocm backend, for an MI300X
+    python -m bench.kernel_resources --arch gfx942,gfx950,sm_90 --out conformance/results/offline-compile.md
+    python -m bench.kernel_resources --kernels kda_state      # the KDA prefill kernels by hand, with SASS counts
 
-No GPU needed: Triton compiles for the target with the ptxas it ships, and the cuobjdump it ships reads the
-resource usage out of the cubin.
-METHOD.md's first rule, "read what costs no device time", applied to the KDA
-prefill miss of issue 6: a kernel that spills lives on local-memory traffic, and the report says how much before
-any device call. What it cannot say is time; time comes from `bench.tune_prefill` on the GPU.
+The first form runs every Triton op provider of the target's backend (rocm for gfx942 / gfx950, cuda for sm_90 /
+sm_100) on CPU tensors at the per-GPU shapes of K3 (TP8 / EP8) and k3-mini, in bf16 and float32, records the launches
+instead of running them (`backends.offline`), compiles each distinct one for the target and prints a table per
+target. It exits non-zero when any launch fails to compile or asks for more LDS / shared memory than the target
+has: the check CI runs so that a change which breaks an AMD compile fails before anyone holds an AMD GPU.
+
+The second form (`--kernels`, NVIDIA only) compiles the KDA prefill kernels with hand-written signatures and counts
+their SASS instructions, the offline proxy bench/README.md quotes for the issue-bound intra pass.
+
+No GPU needed: Triton's wheel compiles for both vendors on the CPU (ptxas and cuobjdump for NVIDIA are bundled; the
+AMD backend links in-process). What it cannot say is time; time comes from the GPU benchmarks.
 """
 from __future__ import annotations
 
@@ -150,25 +157,96 @@ DEFAULT_CONFIGS = (("kda_intra", 4, 1, None), ("kda_intra", 8, 1, None), ("kda_i
                    ("kda_segment_map", 4, 2, 32), ("kda_segment_scan", 8, 1, 16))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, default=90, help="NVIDIA compute capability x 10 (default 90: H100/H200)")
-    parser.add_argument("--kernels", default=",".join(KERNELS))
-    parser.add_argument("--chunks", default="64,32", help="tokens per chunk (the kernels' BT)")
-    args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
-    wanted = set(args.kernels.split(","))
-    print(f"sm_{args.arch}, {KDA_SHAPE['H']} heads, K = V = {KDA_SHAPE['K']}, bf16")
+MODELS = "k3:8:8,k3-mini:1:1"           # preset:tp:ep, the per-GPU shapes the report compiles
+DTYPES = {"bf16": "bfloat16", "float32": "float32"}
+
+
+def kda_kernels(kernels: str, arch: str, chunks: str) -> int:
+    """The hand-written KDA prefill signatures (see the module docstring), one line per config."""
+    if not arch.removeprefix("sm_").isdigit():
+        raise SystemExit(f"--kernels compiles for NVIDIA only (its SASS counts need cuobjdump); got --arch {arch}")
+    capability = int(arch.removeprefix("sm_"))
+    wanted = set(kernels.split(","))
+    print(f"sm_{capability}, {KDA_SHAPE['H']} heads, K = V = {KDA_SHAPE['K']}, bf16")
     print(f"{'kernel':16} {'config':46} {'registers':>9} {'stack B':>8} {'shared B':>9} {'SASS/program':>12}")
-    for chunk in (int(c) for c in args.chunks.split(",")):
+    for chunk in (int(c) for c in chunks.split(",")):
         for kernel, warps, stages, block_v in DEFAULT_CONFIGS:
             if kernel not in wanted:
                 continue
-            r = measure(kernel, warps, stages, args.arch, block_v, chunk)
+            r = measure(kernel, warps, stages, capability, block_v, chunk)
             print(f"{r.kernel:16} {r.config:46} {r.registers:9d} {r.stack_bytes:8d} {r.shared_bytes:9d} "
                   f"{r.sass_per_program:12d}", flush=True)
     return 0
+
+
+def _model_shapes(models: str) -> list:
+    from backends.offline_cases import model_shape  # noqa: PLC0415
+    from k3core.config import load_config  # noqa: PLC0415
+    shapes = []
+    for item in models.split(","):
+        preset, tp, ep = (item.split(":") + ["1", "1"])[:3]
+        shapes.append(model_shape(load_config(preset), tp=int(tp), ep=int(ep)))
+    return shapes
+
+
+def launch_report(arches: str, models: str, dtypes: str, ops: str, out: str, jobs: int) -> int:
+    """Every launch of the backend for each target in `arches`; 1 when any fails to compile or overruns."""
+    import datetime  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    from backends.offline import offline_target  # noqa: PLC0415
+    from backends.offline_report import compile_report, markdown  # noqa: PLC0415
+    from k3core.provenance import commit_under_test  # noqa: PLC0415
+    targets = [offline_target(a.strip()) for a in arches.split(",") if a.strip()]
+    unknown = [d for d in dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"unknown dtype(s) {', '.join(unknown)}; choose from: {', '.join(DTYPES)}")
+    torch_dtypes = [getattr(torch, DTYPES[d]) for d in dtypes.split(",")]
+    shapes = _model_shapes(models)
+    header = (f"# Offline compile report\n\ntriton {triton.__version__}, torch {torch.__version__}, commit "
+              f"{commit_under_test()}, {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
+              f"\n\n`python -m bench.kernel_resources --arch {arches} --models {models} --dtypes {dtypes}"
+              + (f" --ops {ops}" if ops else "") + "`: every launch of the op providers at the per-GPU shapes of "
+              + ", ".join(s.name for s in shapes) + f" in {dtypes.replace(',', ' and ')}, compiled offline (no GPU)."
+              "\n")
+    print(header, flush=True)
+    sections, failures = [header], []
+    for target in targets:
+        report = compile_report(target, shapes, torch_dtypes, set(ops.split(",")) if ops else None, jobs)
+        text = markdown(report)
+        print(text, flush=True)
+        sections.append(text)
+        failures += [f"{target.arch}: {f}" for f in report.failures]
+    summary = (f"FAILED: {len(failures)} launch(es) cannot run:\n" + "\n".join(f"- {f}" for f in failures)
+               if failures else "Every launch compiles and fits on every target above.")
+    print(summary)
+    sections.append("\n" + summary + "\n")
+    if out:
+        Path(out).write_text("\n".join(sections))
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="sm_90",
+                        help="comma-separated targets: gfx942, gfx950, sm_90, sm_100 (a bare number n reads as sm_n)")
+    parser.add_argument("--models", default=MODELS, help="comma-separated preset:tp:ep (default %(default)s)")
+    parser.add_argument("--dtypes", default="bf16,float32", help="activation dtypes: bf16, float32")
+    parser.add_argument("--ops", default="", help="only these ops (default: every op of the backend)")
+    parser.add_argument("--out", default="", help="also write the report (markdown) to this file")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="compile in this many processes (default %(default)s)")
+    parser.add_argument("--kernels", default="",
+                        help=f"instead: the hand-written KDA prefill kernels ({', '.join(KERNELS)}) with SASS counts")
+    parser.add_argument("--chunks", default="64,32", help="--kernels: tokens per chunk (the kernels' BT)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that this compiles")
+    if args.kernels:
+        return kda_kernels(args.kernels, args.arch, args.chunks)
+    return launch_report(args.arch, args.models, args.dtypes, args.ops, args.out, args.jobs)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,24 @@ of the raw model distribution. Nothing in it reads device values back. The one h
 
 Penalties read per-request token counts that the sampler keeps on the device and updates from the ids it has just
 sampled, so a caller's output list may end with placeholders for ids it has not read back yet.
+
+An engine uses it as:
+    sampler = Sampler(vocab_size, device, eos_token_ids, ops)
+    sampler.add_request(request_id, params, prompt_token_ids)         # when the request arrives
+    step = sampler.sample(logits, [SampleRow(request_id, params, output_token_ids, prompt_token_ids), ...])
+    step.start_copy()                                                 # then prepare the next step on the host
+    host = step.result()                                              # ids and logprobs: the one sync
+    sampler.remove_request(request_id)                                # when it finishes or is aborted
 """
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from k3core.ops import GREEDY_TEMPERATURE
-from k3core.sampling_params import INT64_MIN, SamplingParams
+from k3core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from k3core.transfer import index_tables
 
 NEG_INF = float("-inf")
@@ -122,10 +128,13 @@ class _StepTables:
     repetition: list[float] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     logprob_counts: list[int] = field(default_factory=list)
+    drawn_rows: list[int] = field(default_factory=list)           # rows that are not greedy
+    draw_groups: dict[int, list[int]] = field(default_factory=dict)   # filter width -> its drawn rows
+    group_rows: list[int] = field(default_factory=list)           # the groups' rows, one group after another
 
 
 _DEVICE_INTS = ("top_k", "seeds", "positions", "bias_rows", "bias_ids", "banned_rows", "banned_ids", "penalty_rows",
-                "penalty_slots", "logprob_rows")
+                "penalty_slots", "logprob_rows", "group_rows")
 _DEVICE_FLOATS = ("temperature", "top_p", "min_p", "bias_values", "presence", "frequency", "repetition")
 
 
@@ -141,6 +150,7 @@ class _DeviceTables(NamedTuple):
     penalty_rows: torch.Tensor
     penalty_slots: torch.Tensor
     logprob_rows: torch.Tensor
+    group_rows: torch.Tensor
     temperature: torch.Tensor
     top_p: torch.Tensor
     min_p: torch.Tensor
@@ -176,7 +186,9 @@ class Sampler:
         if outside:
             raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary (size "
                              f"{self.vocab_size}); use ids below {self.vocab_size}")
-        seed = params.seed if params.seed is not None else INT64_MIN + secrets.randbits(64)
+        seed = params.seed
+        if seed is None:                        # torch's global CPU generator: torch.manual_seed replays it
+            seed = int(torch.randint(INT64_MIN, INT64_MAX, (), dtype=torch.int64))
         slot = None
         if params.uses_penalties:
             slot = self._take_slot()
@@ -214,13 +226,24 @@ class Sampler:
         Device work only; the host tables go over in two non-blocking copies."""
         host, dev = self._tables(logits, rows)
         x = self._processed(logits, rows, host, dev)                                   # [R, V] float32
-        greedy = [t < GREEDY_TEMPERATURE for t in host.temperature]
-        width = filter_width(host.top_k, host.top_p, host.min_p, greedy, self.vocab_size)
-        token_ids = self._sample_op(x, dev.temperature, dev.top_k, dev.top_p, dev.min_p, dev.seeds, dev.positions,
-                                    width)                                             # [R] int64
+        groups = host.draw_groups                                                      # filter width -> rows
+        if len(groups) == 1 and len(next(iter(groups.values()))) == len(rows):
+            (width,) = groups
+            token_ids = self._sample_op(x, dev.temperature, dev.top_k, dev.top_p, dev.min_p, dev.seeds,
+                                        dev.positions, width)                          # [R] int64
+        else:           # a row's draw depends on its own values only, so each group is sampled on its own
+            token_ids = x.argmax(dim=-1)                                               # greedy rows: first maximum
+            start = 0
+            for width, group in groups.items():
+                index = dev.group_rows[start: start + len(group)]
+                start += len(group)
+                token_ids.index_copy_(0, index, self._sample_op(
+                    x[index], dev.temperature[index], dev.top_k[index], dev.top_p[index], dev.min_p[index],
+                    dev.seeds[index], dev.positions[index], width))
         if host.penalty_rows:
+            flat = dev.penalty_slots * self.vocab_size + token_ids[dev.penalty_rows]   # [P] into counts.view(-1)
             ones = torch.ones(len(host.penalty_rows), dtype=torch.int32, device=self.device)
-            self._output_counts.index_put_((dev.penalty_slots, token_ids[dev.penalty_rows]), ones, accumulate=True)
+            self._output_counts.view(-1).index_add_(0, flat, ones)
         logprob_ids = logprob_values = None
         if host.logprob_rows:
             logprob_ids, logprob_values = _logprobs(logits[dev.logprob_rows], token_ids[dev.logprob_rows],
@@ -245,6 +268,8 @@ class Sampler:
                 raise KeyError(f"sampler: request {item.request_id!r} has no state; call add_request first")
             params = item.params
             host.temperature.append(params.temperature)
+            if not params.greedy:
+                host.drawn_rows.append(row)
             host.top_k.append(params.top_k if params.top_k < vocab else 0)
             host.top_p.append(params.top_p)
             host.min_p.append(params.min_p)
@@ -270,17 +295,22 @@ class Sampler:
             if params.logprobs is not None:
                 host.logprob_rows.append(row)
                 host.logprob_counts.append(params.logprobs)
+        host.draw_groups = _draw_groups(host, vocab)
+        host.group_rows = [row for group in host.draw_groups.values() for row in group]
         ints = index_tables([getattr(host, name) for name in _DEVICE_INTS], self.device, torch.int64)
         floats = index_tables([getattr(host, name) for name in _DEVICE_FLOATS], self.device, torch.float32)
         return host, _DeviceTables(*ints, *floats)
 
     def _processed(self, logits: torch.Tensor, rows: Sequence[SampleRow], host: _StepTables,
                    dev: _DeviceTables) -> torch.Tensor:
-        x = logits.to(torch.float32, copy=True)                                         # [R, V]
         masked = [row for row, item in enumerate(rows) if item.allowed_token_mask is not None]
+        changes = masked or host.bias_rows or host.banned_rows or host.penalty_rows
+        x = logits.to(torch.float32)                                                    # [R, V]
+        if changes:                                                                     # a private dense copy
+            x = x.clone(memory_format=torch.contiguous_format) if x is logits else x.contiguous()
         if masked:
             allowed = torch.ones_like(x, dtype=torch.bool)                              # [R, V]
-            on_host = [row for row in masked if rows[row].allowed_token_mask.device != self.device]
+            on_host = [row for row in masked if rows[row].allowed_token_mask.device.type == "cpu"]
             copied = index_tables([rows[row].allowed_token_mask for row in on_host], self.device, torch.bool)
             for row, mask in zip(on_host, copied):
                 allowed[row] = mask
@@ -288,10 +318,11 @@ class Sampler:
                 if row not in on_host:
                     allowed[row] = rows[row].allowed_token_mask
             x.masked_fill_(~allowed, NEG_INF)
+        vocab = self.vocab_size
         if host.bias_rows:
-            x.index_put_((dev.bias_rows, dev.bias_ids), dev.bias_values, accumulate=True)
+            x.view(-1).index_add_(0, dev.bias_rows * vocab + dev.bias_ids, dev.bias_values)
         if host.banned_rows:
-            x.index_put_((dev.banned_rows, dev.banned_ids), torch.tensor(NEG_INF, device=self.device))
+            x.view(-1).index_fill_(0, dev.banned_rows * vocab + dev.banned_ids, NEG_INF)
         if host.penalty_rows:
             counts = self._output_counts[dev.penalty_slots]                             # [P, V] int32
             in_output = counts > 0
@@ -308,12 +339,27 @@ def filter_width(top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[f
                  vocab_size: int) -> int:
     """The `filter_width` the `sample` op needs for these rows: 0 when no sampled row filters, the largest top_k
     when every filtering row has one, else the whole vocabulary (a top-p or min-p row without top_k sorts it)."""
-    width = 0
-    for k, p, m, g in zip(top_k, top_p, min_p, greedy):
-        if g or ((k <= 0 or k >= vocab_size) and p >= 1.0 and m <= 0.0):
-            continue
-        width = max(width, k if 0 < k < vocab_size else vocab_size)
-    return width
+    return max((_row_width(k, p, m, vocab_size) for k, p, m, g in zip(top_k, top_p, min_p, greedy) if not g),
+               default=0)
+
+
+def _row_width(top_k: int, top_p: float, min_p: float, vocab_size: int) -> int:
+    if 0 < top_k < vocab_size:
+        return top_k
+    return 0 if top_p >= 1.0 and min_p <= 0.0 else vocab_size
+
+
+def _draw_groups(host: _StepTables, vocab_size: int) -> dict[int, list[int]]:
+    """The rows that draw (not greedy), grouped so that rows without filters never pay a sort and top-k rows never
+    pay a full one: unfiltered rows (width 0), top-k rows (width = the group's largest top_k), the rest (V)."""
+    groups: dict[int, list[int]] = {}
+    widths: dict[int, int] = {}
+    for row in host.drawn_rows:
+        width = _row_width(host.top_k[row], host.top_p[row], host.min_p[row], vocab_size)
+        kind = width if width in (0, vocab_size) else -1
+        groups.setdefault(kind, []).append(row)
+        widths[kind] = max(widths.get(kind, 0), width)
+    return {widths[kind]: rows for kind, rows in groups.items()}
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,7 +142,8 @@ def test_a_seeded_row_gives_the_same_tokens_alone_in_any_batch_and_order():
 
 
 def test_placeholders_and_unseeded_requests():
-    """Position counts placeholders; a request without a seed gets its own random one."""
+    """Position counts placeholders; a request without a seed gets its own random one (torch.manual_seed
+    replays it)."""
     vocab = 50
     logits = torch.randn(1, vocab, generator=seeded(3)) * 0.1
     a, b = make_sampler(vocab), make_sampler(vocab)
@@ -155,10 +156,14 @@ def test_placeholders_and_unseeded_requests():
         real.append(token_a)
         seen.append(token_b)
     assert real == seen
-    unseeded = make_sampler(vocab)
-    rows = [add(unseeded, f"u{i}", temperature=1.0) for i in range(6)]
     flat = torch.zeros(6, vocab)
-    assert len(set(run(unseeded, flat, rows).token_ids)) > 1
+    replays = []
+    for _ in range(2):
+        torch.manual_seed(1234)                          # unseeded requests draw their seed from torch's RNG
+        unseeded = make_sampler(vocab)
+        rows = [add(unseeded, f"u{i}", temperature=1.0) for i in range(6)]
+        replays.append(run(unseeded, flat, rows).token_ids)
+    assert replays[0] == replays[1] and len(set(replays[0])) > 1
 
 
 def test_noise_is_uniform_and_never_zero_or_one():
@@ -379,3 +384,30 @@ def test_accepted_edge_values_sample_next_to_innocent_rows():
         sampler.add_request("outside", SamplingParams(logit_bias={vocab: 1.0}), [1])
     with pytest.raises(ValueError, match="twice"):
         sampler.add_request("p0", params[0], [1])
+
+
+def test_rows_without_filters_pay_no_sort_and_top_k_rows_no_full_sort():
+    """The sampler groups drawn rows by the filter width they need; each group is one op call on its rows."""
+    calls = []
+
+    class SpyOps:
+        @staticmethod
+        def sample(logits, *args):
+            calls.append((logits.shape[0], args[-1]))
+            return sample(logits, *args)
+
+    vocab = 100
+    sampler = Sampler(vocab, "cpu", {EOS}, ops=SpyOps())
+    rows = [add(sampler, "plain", temperature=1.0), add(sampler, "k7", temperature=1.0, top_k=7),
+            add(sampler, "greedy", temperature=0.0), add(sampler, "p", temperature=1.0, top_p=0.9),
+            add(sampler, "k3p", temperature=1.0, top_k=3, top_p=0.5), add(sampler, "plain2", temperature=0.5)]
+    logits = torch.randn(len(rows), vocab, generator=seeded(11))
+    mixed = run(sampler, logits, rows).token_ids
+    assert sorted(calls) == [(1, vocab), (2, 0), (2, 7)]
+    assert mixed[2] == int(logits[2].argmax())
+    calls.clear()
+    assert run(sampler, logits[:2], rows[:2]).token_ids == mixed[:2]           # same rows, same draw
+    assert sorted(calls) == [(1, 0), (1, 7)]
+    calls.clear()
+    run(sampler, logits[[0, 5]], [rows[0], rows[5]])
+    assert calls == [(2, 0)], "one group covering every row is one call on the whole batch"

@@ -1,12 +1,7 @@
 """The demo model's corpus: the Python standard library's own source (PSF licence) and docstring -> function
 chat pairs rendered in K3's XTML format, split into a training and a held-out part by a hash of the file path.
 
-Selection rule (written into the model card by `describe()`): every `*.py` file under the running Python's
-standard library directory, sorted by relative path, except files under `site-packages/`, `test/`, `tests/`,
-`idlelib/`, `lib2to3/`, `ensurepip/`, `turtledemo/` and `__pycache__/`, and files larger than 256 KiB. A file is
-held out when the first byte of sha256(relative path) is below HOLDOUT_BYTE (about 6 %). A chat pair comes from a
-function (or method) of the same file with a docstring of at least 24 characters and a source of at most 1,600
-characters; pairs inherit their file's split.
+The selection rule is SELECTION_RULE (the model card quotes it).
 """
 from __future__ import annotations
 
@@ -18,6 +13,14 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+SELECTION_RULE = (
+    "every `*.py` file under the running Python's standard library directory, sorted by relative path, "
+    "except files under `site-packages/`, `test/`, `tests/`, `idlelib/`, `lib2to3/`, `ensurepip/`, "
+    "`turtledemo/` and `__pycache__/`, and files larger than 256 KiB. A file is held out when the first "
+    "byte of sha256(relative path) is below 16 (1/16 of the files). A chat pair comes from a function "
+    "(or method) of the same file with a docstring of at least 24 characters and a source of at most "
+    "1,600 characters; pairs inherit their file's split."
+)
 EXCLUDED_PARTS = ("site-packages", "test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "__pycache__")
 MAX_FILE_BYTES = 256 << 10
 HOLDOUT_BYTE = 16                   # sha256(path)[0] < 16: 1/16 of the files
@@ -41,6 +44,13 @@ class FunctionPair:
     docstring: str
     source: str                     # dedented, decorators included
     held_out: bool
+
+
+def describe(root: Path | None = None) -> dict[str, str]:
+    """The selection rule and the interpreter it ran on, for the model card."""
+    import sys
+    return {"rule": SELECTION_RULE, "python_version": sys.version.split()[0],
+            "stdlib_dir": str(root or stdlib_dir())}
 
 
 def stdlib_dir() -> Path:
@@ -104,7 +114,8 @@ _THINKS = (
     "A function `{signature}` is asked for. I will keep the docstring and write the body.",
     "I need to write `{name}`. The docstring describes the behaviour; the answer is one Python function.",
 )
-_SYSTEMS = ("You are a helpful assistant.", "You are a Python programming assistant.", "You are Kimi, a helpful assistant.")
+_SYSTEMS = ("You are a helpful assistant.", "You are a Python programming assistant.",
+            "You are Kimi, a helpful assistant.")
 THINKING_EFFORTS = ("low", "high", "max")
 
 

@@ -35,15 +35,38 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
+def _full_precision(x: torch.Tensor):
+    """A region where autocast is off: its float32 inputs stay float32."""
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
 def fake_mxfp4(weight: torch.Tensor) -> torch.Tensor:
     """weight with its MXFP4 value in the forward and the identity gradient (straight-through)."""
     packed, scale = quantize_mxfp4(weight)
     return weight + (dequantize_mxfp4(packed, scale).to(weight.dtype) - weight).detach()
 
 
+def dense_experts(config: ModelConfig, weights: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(config, weights) with the routed experts dense: a config that holds them packed (`expert_format`
+    "mxfp4", as a K3 checkpoint loads) is turned into the dense one, its packed pairs dequantised exactly."""
+    if getattr(config, "expert_format", "bf16") != "mxfp4":
+        return config, weights
+    dense = {}
+    for name, tensor in weights.items():
+        if name.endswith((".mlp.experts.w13_packed", ".mlp.experts.w2_packed")):
+            base = name[: -len("_packed")]
+            dense[base] = dequantize_mxfp4(tensor, weights[base + "_scale"])
+        elif not name.endswith((".mlp.experts.w13_scale", ".mlp.experts.w2_scale")):
+            dense[name] = tensor
+    return config.replace(expert_format="bf16"), dense
+
+
 class DemoModel(nn.Module):
+    """The K3-family network for training: parameters on the canonical names, `forward(token_ids)` -> logits."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
+        config, weights = dense_experts(config, weights)
         self.config = config
         self.params = nn.ParameterDict()
         self.fake_quant_experts = False
@@ -116,7 +139,8 @@ class DemoModel(nn.Module):
         qkv = qkv.transpose(1, 2).reshape(batch * seq_len, -1)                            # [N, 3P]
         q, k, v = (t.reshape(-1, heads, dim) for t in qkv.chunk(3, dim=-1))              # [N, Hk, D]
         f = F.linear(F.linear(x, w("f_a_proj.weight")), w("f_b_proj.weight")).reshape(-1, heads, dim)
-        gate = KdaGateParams(A_log=w("A_log"), dt_bias=w("dt_bias"), form=c.kda_gate, lower_bound=c.kda_gate_lower_bound)
+        gate = KdaGateParams(A_log=w("A_log"), dt_bias=w("dt_bias"), form=c.kda_gate,
+                             lower_bound=c.kda_gate_lower_bound)
         g = kda_gate(f, gate)                                                             # [N, Hk, D]
         beta = torch.sigmoid(F.linear(x, w("b_proj.weight")))                            # [N, Hk]
 
@@ -124,15 +148,18 @@ class DemoModel(nn.Module):
             t = t.reshape(batch, seq_len, heads, -1).transpose(1, 2)
             return t.reshape(batch * heads, seq_len, -1)
 
-        qh, kh, vh, gh = heads_first(l2_normalize(q)), heads_first(l2_normalize(k)), heads_first(v), heads_first(g)
-        bh = heads_first(beta[..., None])[..., 0]                                        # [B*Hk, T]
-        state = qh.new_zeros(batch * heads, dim, dim)                                    # [B*Hk, V, K]
-        outputs = []
-        for start in range(0, seq_len, TRAIN_CHUNK):
-            end = min(start + TRAIN_CHUNK, seq_len)
-            o, state = _chunk_step(qh[:, start:end], kh[:, start:end], vh[:, start:end], gh[:, start:end],
-                                   bh[:, start:end], state, dim ** -0.5)
-            outputs.append(o)
+        with _full_precision(x):
+            # The recurrence accumulates decays and a triangular solve: float32 whatever the autocast dtype.
+            qh, kh = heads_first(l2_normalize(q.float())), heads_first(l2_normalize(k.float()))
+            vh, gh = heads_first(v.float()), heads_first(g)
+            bh = heads_first(beta.float()[..., None])[..., 0]                            # [B*Hk, T]
+            state = qh.new_zeros(batch * heads, dim, dim)                                # [B*Hk, V, K]
+            outputs = []
+            for start in range(0, seq_len, TRAIN_CHUNK):
+                end = min(start + TRAIN_CHUNK, seq_len)
+                o, state = _chunk_step(qh[:, start:end], kh[:, start:end], vh[:, start:end], gh[:, start:end],
+                                       bh[:, start:end], state, dim ** -0.5)
+                outputs.append(o)
         o = torch.cat(outputs, dim=1).reshape(batch, heads, seq_len, dim).transpose(1, 2)  # [B, T, Hk, D]
         z = F.linear(x, w("g_proj.weight")).reshape(-1, heads, dim)
         o = gated_rms_norm(o.reshape(-1, heads, dim), z, w("o_norm.weight"), c.rms_norm_eps)
@@ -158,7 +185,8 @@ class DemoModel(nn.Module):
 
     def _moe(self, layer_id: int, prefix: str, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        logits = F.linear(x.float(), self.w(prefix + "gate.weight"))                    # [N, E]
+        with _full_precision(x):                                                          # the router in float32
+            logits = F.linear(x.float(), self.w(prefix + "gate.weight").float())         # [N, E]
         scores, choice = route_scores(logits, self.w(prefix + "gate.e_score_correction_bias"), c.router_scoring)
         expert_ids = torch.topk(choice, c.num_experts_per_token, dim=-1, sorted=True).indices  # [N, k]
         weights = route_weights(scores, expert_ids, c.moe_renormalize, c.routed_scaling_factor)

@@ -8,7 +8,9 @@ special tokens at ids num_ranks .. num_ranks + 255 at K3's offsets (K3_CHAT_FORM
 with the `tiktoken` package from those two files only.
 
 XTML (K3_CHAT_FORMAT.md section 3) is rendered as segments: a marker is its special id, every other segment is
-BPE-encoded on its own (tag names and attribute pieces are separate segments).
+BPE-encoded on its own (tag names and attribute pieces are separate segments). Training renders its examples with
+the product's renderer (`k3core.chat.xtml`); the small renderer here is written independently from the format
+notes and kept as the second opinion that tests compare `k3core.chat` against.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ from kernels.triton.kda_chunk_intra import kda_chunk_intra_kernel, kda_chunk_int
 from kernels.triton.kda_chunk_segments import kda_segment_map_kernel, kda_segment_scan_kernel
 from kernels.triton.kda_chunk_state import kda_chunk_state_kernel
 from kernels.triton.kda_gate import gate_form_id, gate_tensors
-from kernels.triton.tuning import KernelConfig, is_interpreted, kernel_config, pow2_at_least
+from kernels.triton.tuning import (KernelConfig, dot_precision, fit_chunk_size, fit_state_config, is_interpreted,
+                                    kernel_config, pow2_at_least, shared_memory_limit)
 from kernels.triton.tuning_ops import compute_units
 from kernels.torch.kda import checkpoint_marks
 
@@ -183,7 +184,11 @@ def prepare_kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: to
                         chunk_size: int | None = None) -> tuple[PrefillLaunch | None, KdaPrefillOut]:
     """Check the inputs, cut the batch and allocate everything; launch nothing. The result's tensors are filled
     once the launch (None for an empty batch) has run intra() then state()."""
-    chunk_size = chunk_size or kernel_config("kda_intra").block_t
+    if chunk_size is None:
+        # the table's chunk, halved until the state pass fits this GPU's shared memory (float32 on an MI300X)
+        element_size = 2 if q.dtype in (torch.bfloat16, torch.float16) else 4
+        chunk_size = fit_chunk_size(kernel_config("kda_intra").block_t, pow2_at_least(q.shape[-1]), element_size,
+                                    (kernel_config("kda_state"), kernel_config("kda_state_wide")))
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_prefill: chunk_size must be a power of two >= 16, got {chunk_size}")
     form = gate_form_id(gate)
@@ -247,7 +252,7 @@ class PrefillLaunch:
 
     def _precision(self, config: KernelConfig) -> str:
         # float32 inputs ask for float32 results: exact products; 16-bit inputs use the vendor's fast setting.
-        return config.solve_precision if self.work_dtype != torch.float32 else "ieee"
+        return dot_precision(config.solve_precision) if self.work_dtype != torch.float32 else "ieee"
 
     def intra(self, config: KernelConfig | None = None) -> None:
         """Pass 1 (parallel over chunks and heads): W, U0, Qg, Kd, Aqk and exp(G_last) into the workspace."""
@@ -308,7 +313,12 @@ class PrefillLaunch:
             config = dataclasses.replace(config, segment_chunks=0)
         if prefetch_unchecked(config, self.chunk_size):
             config = dataclasses.replace(config, prefetch=False)
-        return config
+        limit = shared_memory_limit()
+        fitted = fit_state_config(config, self.chunk_size, pow2_at_least(self.k_dim), self.work_dtype.itemsize, limit)
+        if fitted is None:
+            raise ValueError(f"kda_prefill: chunk_size={self.chunk_size} needs more than this GPU's "
+                             f"{limit // 1024} KiB of shared memory at any block_v; pass a smaller chunk_size")
+        return fitted
 
     def state(self, config: KernelConfig | None = None) -> None:
         """Pass 2 (sequential over each sequence's chunks): outputs, final states in place, checkpoints.

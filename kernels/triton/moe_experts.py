@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
-from kernels.triton.tuning_ops import GemmConfig, MoeGemmConfig, moe_gemm_config, target
+from kernels.triton.tuning_ops import GemmConfig, MoeGemmConfig, moe_gemm_config, nvidia_capability, target
 
 PAIR_BUFFER_BYTES = 1 << 30
 
@@ -362,8 +362,8 @@ def weight_desc_unavailable(device: torch.device, *weights: torch.Tensor) -> str
     kind = target(device)
     if kind == "amd":
         return "weight descriptors are used only on NVIDIA sm90+ here (no AMD path written or measured)"
-    if kind == "nvidia" and torch.cuda.get_device_capability(device)[0] < 9:
-        major, minor = torch.cuda.get_device_capability(device)
+    if kind == "nvidia" and nvidia_capability(device)[0] < 9:
+        major, minor = nvidia_capability(device)
         return f"weight descriptors need sm90+ (TMA); this GPU is sm{major}{minor}"
     for w in weights:
         if w.stride(2) != 1 or w.stride(0) != w.shape[1] * w.stride(1):

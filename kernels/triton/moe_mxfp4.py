@@ -40,11 +40,15 @@ class Mxfp4Tile(NamedTuple):
     num_stages: int
 
 
-def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int) -> Mxfp4Tile:
+def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
     """Rows per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill:
-    taller blocks so that each weight tile is dequantised for more rows). Not yet tuned on a GPU."""
+    taller blocks so that each weight tile is dequantised for more rows). Not yet tuned on a GPU. float32
+    activations stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and
+    96 KiB of LDS on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
     rows_per_expert = num_pairs / max(1, num_experts)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
+    if element_size > 2:
+        block_m = min(block_m, 64)
     if target(device) == "interpreter":
         return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
     return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
@@ -227,7 +231,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        tile = mxfp4_tile(x.device, ids.numel(), num_experts)
+        tile = mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
         blocks = group_pairs_by_expert(ids, expert_offset, num_experts, tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
                          situ_linear_beta, tile)

@@ -6,12 +6,13 @@ file never branches on the vendor itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
-from kernels.triton.tuning_ops import assumed_device
+from kernels.triton.tuning_ops import assumed_device, current_arch
 
 VENDORS = ("nvidia", "amd")
 # the decode-op tables live in tuning_ops
@@ -107,3 +108,75 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
 def is_interpreted() -> bool:
     """True under TRITON_INTERPRET=1 (the CPU interpreter), where a few loop forms must differ."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---- fitting to the device ---------------------------------------------------------------------------------
+# LDS per workgroup (AMD) / opt-in shared memory per block (NVIDIA) of the architectures this code is compiled for
+# (backends.offline compiles for them). A GPU not named here is asked through torch.
+ARCH_SHARED_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx90a": 64 * 1024,
+                     "sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+# tl.dot input_precision values each architecture's Triton 3.6 backend accepts for float32 operands: gfx950 rejects
+# tf32 (ieee, bf16x3, bf16x6 only), gfx942 and NVIDIA accept it.
+ARCH_DOT_PRECISIONS = {"gfx942": ("ieee", "tf32"), "gfx950": ("ieee", "bf16x3", "bf16x6"),
+                       "gfx90a": ("ieee",), "interpreter": ("ieee", "tf32", "tf32x3", "bf16x3", "bf16x6")}
+NVIDIA_DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+# The stand-in for a precision an architecture rejects: the cheapest accepted one that is at least as accurate
+# (bf16x3 keeps ~16 mantissa bits against tf32's 10).
+PRECISION_FALLBACK = {"tf32": ("bf16x3", "ieee"), "tf32x3": ("bf16x6", "ieee"), "bf16x3": ("tf32x3", "ieee"),
+                      "bf16x6": ("tf32x3", "ieee")}
+
+
+def shared_memory_limit() -> int | None:
+    """Bytes of LDS / shared memory one program may use on the architecture kernels are launched for (None under
+    the interpreter, which has no limit)."""
+    arch = current_arch()
+    if arch == "interpreter":
+        return None
+    if arch in ARCH_SHARED_BYTES:
+        return ARCH_SHARED_BYTES[arch]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+def dot_precision(requested: str) -> str:
+    """`requested` when the launch architecture accepts it as a tl.dot input_precision, else its stand-in."""
+    arch = current_arch()
+    accepted = ARCH_DOT_PRECISIONS.get(arch, NVIDIA_DOT_PRECISIONS if arch.startswith("sm_") else ("ieee",))
+    if requested in accepted:
+        return requested
+    return next(p for p in PRECISION_FALLBACK.get(requested, ("ieee",)) if p in accepted)
+
+
+def state_shared_bytes(chunk: int, block_k: int, block_v: int, num_stages: int, element_size: int) -> int:
+    """An upper estimate of kda_chunk_state_kernel's LDS / shared memory: each pipeline stage past the first buffers
+    one chunk's W, Qg, Kd [BT, BK], Aqk [BT, BT] and U0 [BT, BV], and the products stage up to three [BT, BV]
+    operands. Triton 3.6.0 compiled 30-144 KiB for gfx942 / gfx950 across chunks 32-64, block_v 16-64, bf16 and
+    float32 at two stages: each equal to this estimate at 32-token chunks and up to two [BT, BV] tiles below it at
+    64 (bench.kernel_resources reports the compiled sizes, and fails on an overrun, so the estimate is checked)."""
+    per_stage = 3 * chunk * block_k + chunk * chunk + chunk * block_v
+    return (max(1, num_stages - 1) * per_stage + 3 * chunk * block_v) * element_size
+
+
+def fit_state_config(config: KernelConfig, chunk: int, block_k: int, element_size: int,
+                     limit: int | None) -> KernelConfig | None:
+    """`config` with block_v halved (down to 16) until the state kernel's estimate fits `limit` bytes, or None when
+    no block_v does at this chunk size; `config` itself when there is no limit (the interpreter). float32 starts from half the table's block_v: its state tile then holds the
+    bytes of the 16-bit one (at the table's width float32 spilled 130-159 VGPRs on gfx950)."""
+    if limit is None:                   # the interpreter: nothing to fit
+        return config
+    block_v = max(16, config.block_v // 2) if element_size > 2 else config.block_v
+    while True:
+        if state_shared_bytes(chunk, block_k, block_v, config.num_stages, element_size) <= limit:
+            return dataclasses.replace(config, block_v=block_v)
+        if block_v <= 16:
+            return None
+        block_v //= 2
+
+
+def fit_chunk_size(chunk: int, block_k: int, element_size: int, configs: tuple[KernelConfig, ...]) -> int:
+    """The largest power-of-two chunk size <= `chunk` (>= 16) at which every state config in `configs` fits the
+    launch architecture's shared memory after `fit_state_config`."""
+    limit = shared_memory_limit()
+    while chunk > 16 and any(fit_state_config(c, chunk, block_k, element_size, limit) is None for c in configs):
+        chunk //= 2
+    return chunk

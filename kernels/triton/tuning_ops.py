@@ -86,6 +86,15 @@ def current_arch() -> str:
     return _device_arch(torch.cuda.current_device())
 
 
+def nvidia_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of the NVIDIA GPU kernels are launched for: the assumed device's, else `device`'s."""
+    assumed = _ASSUMED.get()
+    if assumed is not None and assumed.arch.startswith("sm_"):
+        digits = assumed.arch.removeprefix("sm_")
+        return int(digits[:-1]), int(digits[-1])
+    return torch.cuda.get_device_capability(device)
+
+
 class RowConfig(NamedTuple):
     """One program per row (norms, activation, AttnRes, routing)."""
     num_warps: int

@@ -1,0 +1,123 @@
+"""The offline compile report (bench.kernel_resources --arch, backends.offline): launches captured from the real op
+wrappers with the target's tables, compiled for AMD and NVIDIA on the CPU, and a non-zero exit on a failure.
+
+Each test runs in a subprocess: conftest.py sets TRITON_INTERPRET=1, under which @triton.jit gives interpreter
+stand-ins that cannot be compiled."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_attn_res_compiles_for_both_amd_targets_in_both_dtypes():
+    """attn_res once selected between pointers of two arguments, which Triton 3.6.0's AMD buffer-ops pass rejects:
+    every AttnRes launch of K3 must compile for gfx942 and gfx950."""
+    result = _python("""
+        from bench.kernel_resources import main
+        raise SystemExit(main(["--arch", "gfx942,gfx950", "--ops", "attn_res_read", "--models", "k3:8:8",
+                               "--jobs", "1"]))
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| attn_res_read |")]
+    assert len(rows) >= 4 and all("| ok |" in row for row in rows), rows      # 2 targets x num_valid == 1 or not
+    assert "Every launch compiles and fits" in result.stdout
+
+
+def test_capture_uses_the_assumed_targets_tables_and_specialisation():
+    """The recorded launch is what a GPU launch of that vendor would be: the AMD table's 8 wavefronts for an
+    8192-wide AttnRes row (NVIDIA's 4 warps), num_valid == 1 specialised as a constant, 16-byte pointers marked."""
+    result = _python("""
+        import torch
+        from backends.offline import capture, offline_target
+        from kernels.triton.attn_res import attn_res_read
+        for arch in ("gfx942", "sm_90"):
+            for num_valid in (1, 5):
+                with capture(offline_target(arch)) as recorder:
+                    attn_res_read(torch.empty(64, 8, 7168, dtype=torch.bfloat16), num_valid,
+                                  torch.empty(64, 7168, dtype=torch.bfloat16), torch.empty(7168), 1e-5)
+                (_, launch), = recorder.launches
+                pointer_range = ["tt.pointer_range", 32] in launch.attrs[(0,)]
+                print(arch, num_valid, launch.options["num_warps"], launch.signature["num_valid"],
+                      ["tt.divisibility", 16] in launch.attrs[(0,)], pointer_range)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:4] == ["gfx942 1 8 constexpr True True", "gfx942 5 8 i32 True True",
+                                             "sm_90 1 4 constexpr True False", "sm_90 5 4 i32 True False"]
+
+
+def test_an_lds_overrun_fails_the_report():
+    """A launch that asks for more LDS than the target has exits non-zero and names the launch (here a gfx942 with
+    a 32-byte LDS, which the 8192-wide RMSNorm's reduction scratch exceeds)."""
+    result = _python("""
+        import backends.offline as offline
+        from bench.kernel_resources import main
+        offline.TARGETS["gfx942"] = offline.TARGETS["gfx942"]._replace(shared_bytes=32)
+        raise SystemExit(main(["--arch", "gfx942", "--ops", "rms_norm", "--models", "k3-mini", "--dtypes", "bf16",
+                               "--jobs", "1"]))
+    """)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAILED" in result.stdout and "the gfx942 limit is 32 B" in result.stdout
+
+
+def test_every_registered_triton_op_has_an_offline_case():
+    """An op registered for a backend without a case here would silently never be compiled offline."""
+    result = _python("""
+        from backends.offline_cases import model_shape, op_calls
+        from backends.offline_report import backend_functions
+        from k3core.config import load_config
+        import torch
+        for backend in ("rocm", "cuda"):
+            functions, _ = backend_functions(backend)
+            calls = list(op_calls(model_shape(load_config("k3-mini")), torch.bfloat16, functions))
+            assert {c.op for c in calls} == set(functions), (backend, set(functions) - {c.op for c in calls})
+            print(backend, len(functions))
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_float32_kda_prefill_fits_both_amd_targets():
+    """The float32 state pass asked for 128 KiB of LDS on gfx942 (64 KiB) at the table's chunk and block_v; fitted
+    from the target's LDS size, every kda_prefill launch (state and intra passes) compiles and fits on both."""
+    result = _python("""
+        from bench.kernel_resources import main
+        raise SystemExit(main(["--arch", "gfx942,gfx950", "--ops", "kda_prefill", "--models", "k3-mini",
+                               "--dtypes", "float32"]))
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    state_rows = [line for line in result.stdout.splitlines() if "| kda_chunk_state_kernel |" in line]
+    assert state_rows and all("| ok |" in row for row in state_rows), state_rows
+
+
+def test_state_config_and_precision_follow_the_architecture():
+    """Chunk and block_v from the LDS size (not per-case guards); a precision the architecture rejects replaced."""
+    from kernels.triton.tuning import (dot_precision, fit_chunk_size, fit_state_config, kernel_config,
+                                       shared_memory_limit, state_shared_bytes)
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    amd = (kernel_config("kda_state", "amd"), kernel_config("kda_state_wide", "amd"))
+    expected = {("gfx942", 2): (64, 16), ("gfx942", 4): (32, 16), ("gfx950", 2): (64, 32), ("gfx950", 4): (64, 16)}
+    for (arch, element_size), (chunk, block_v) in expected.items():
+        with assume_device(AssumedDevice("amd", arch, 256)):
+            limit = shared_memory_limit()
+            assert fit_chunk_size(64, 128, element_size, amd) == chunk, (arch, element_size)
+            fitted = fit_state_config(amd[0], chunk, 128, element_size, limit)
+            assert fitted.block_v == block_v, (arch, element_size, fitted)
+            assert state_shared_bytes(chunk, 128, fitted.block_v, fitted.num_stages, element_size) <= limit
+    assert fit_state_config(amd[0], 64, 128, 4, None) == amd[0]          # the interpreter: unchanged
+    with assume_device(AssumedDevice("amd", "gfx950", 256)):
+        assert dot_precision("tf32") == "bf16x3" and dot_precision("ieee") == "ieee"
+    with assume_device(AssumedDevice("amd", "gfx942", 304)):
+        assert dot_precision("tf32") == "tf32"
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        assert dot_precision("tf32") == "tf32" and dot_precision("bf16x3") == "tf32x3"
