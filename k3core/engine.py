@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3core.model.batch import SeqWork
+from k3core.model.batch import FutureTokens, SeqWork
 from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
+from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
 from k3core.sampling_params import SamplingParams
-from k3core.sched.request import Request, Status
+from k3core.sched.request import UNRESOLVED_TOKEN, Request, Status
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
 from k3core.stop import OutputText
+from k3core.transfer import index_tables
 
 
 @dataclass
@@ -31,7 +33,8 @@ class EngineOptions:
     chunked_prefill_tokens: int = 512
     max_running_requests: int = 64
     page_size: int = 16
-    checkpoint_interval: int = 64
+    checkpoint_interval: int | None = None   # tokens between cache checkpoints; None: `default_checkpoint_interval`
+    overlap: bool = True                     # run the host work of step N+1 while the GPU runs step N (one device)
     memory_bytes: int | None = None          # pool arena size; None: memory_fraction of free device memory
     memory_fraction: float = 0.5             # (CPU: of 1 GiB)
     cuda_graphs: bool = False                # replay decode steps from CUDA/HIP graphs captured at start
@@ -46,7 +49,8 @@ class EngineOptions:
         need(self.chunked_prefill_tokens >= 1, "chunked_prefill_tokens must be >= 1")
         need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         need(self.page_size >= 1, "page_size must be >= 1")
-        need(self.checkpoint_interval >= self.page_size and self.checkpoint_interval % self.page_size == 0,
+        need(self.checkpoint_interval is None or (
+            self.checkpoint_interval >= self.page_size and self.checkpoint_interval % self.page_size == 0),
              f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of page_size "
              f"({self.page_size})")
         need(self.memory_bytes is None or self.memory_bytes > 0, "memory_bytes must be positive")
@@ -58,6 +62,32 @@ class EngineOptions:
         self.graph_batch_sizes = tuple(sorted(set(sizes)))
         need(isinstance(self.graph_max_context, int) and self.graph_max_context >= 2,
              f"graph_max_context must be at least 2 tokens, got {self.graph_max_context!r}")
+
+
+def default_checkpoint_interval(slot_bytes: int, page_bytes: int, page_size: int) -> int:
+    """The cache's checkpoint interval when none is given: the fewest whole pages whose MLA bytes reach one KDA slot,
+    so that checkpoints never hold more memory than the tokens they cover (a K3 slot is about 54 MB, 64 tokens of
+    its MLA pages about 4 MB: every 64 tokens the checkpoints would take 13x the KV). A longer interval costs a
+    recomputation of at most interval - 1 tokens after a hit; a shorter one, memory that could hold other prefixes."""
+    return page_size * max(1, -(-slot_bytes // page_bytes))
+
+
+@dataclass
+class _Launched:
+    """A step on the device whose sampled ids the host has not read yet."""
+    requests: list[Request]              # the rows of `sample`, in order
+    sample: DeviceSample | ResolvedSample | None
+    row_of: dict[str, int]               # request id -> row
+
+
+@dataclass
+class ResolvedSample:
+    """A sample already on the host (parallel plans: broadcast from the sampler rank)."""
+    host: HostSample
+    token_ids: None = None
+
+    def result(self) -> HostSample:
+        return self.host
 
 
 @dataclass
@@ -103,19 +133,27 @@ class Engine:
         else:
             raise ValueError("under a parallel plan give memory_bytes, so that every rank's pool is the same size")
         self.page_size = self.runner.logical_page_size     # tokens per page as the scheduler counts them
-        if options.checkpoint_interval % self.page_size:
-            raise ValueError(f"checkpoint_interval ({options.checkpoint_interval}) must be a multiple of the "
+        interval = options.checkpoint_interval
+        if interval is None:
+            interval = default_checkpoint_interval(layout.slot_bytes, layout.page_bytes, self.page_size)
+        if interval % self.page_size:
+            raise ValueError(f"checkpoint_interval ({interval}) must be a multiple of the "
                              f"logical page size {self.page_size} (page_size x dcp)")
-        self.cache = (RadixCache(self.pool, self.page_size, options.checkpoint_interval)
-                      if options.prefix_cache else None)
+        self.checkpoint_interval = interval
+        self.cache = RadixCache(self.pool, self.page_size, interval) if options.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
-            options.max_running_requests, options.chunked_prefill_tokens, self.page_size))
+            options.max_running_requests, options.chunked_prefill_tokens, self.page_size,
+            self.config.max_position_embeddings))
+        # Overlap needs the sampled ids on the device of the next step: one device only.
+        self.overlap = options.overlap and plan.is_single
+        self._in_flight: _Launched | None = None
         self.requests: dict[str, Request] = {}
         self.output_texts: dict[str, OutputText] = {}     # of the unfinished requests, by request id
         self._ids = itertools.count()
         self.eos_token_ids = set(getattr(llm.tokenizer, "eos_token_ids", []) or [])
         if self.config.eos_token_id is not None:
             self.eos_token_ids.add(self.config.eos_token_id)
+        self.sampler = Sampler(self.config.vocab_size, llm.device, self.eos_token_ids, llm.ops)
         self.num_steps = 0
         self.num_graph_steps = 0                          # steps replayed from a captured decode graph
         self.closed = False
@@ -145,8 +183,7 @@ class Engine:
             raise ValueError(f"a request of {total} tokens needs more memory than the pool holds for requests "
                              f"({room} bytes); lower max_tokens or raise memory_bytes")
         request = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
+        self.sampler.add_request(request_id, params, request.prompt_token_ids)
         self.requests[request_id] = request
         self.output_texts[request_id] = OutputText(self.llm.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(request)
@@ -156,89 +193,140 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        self._drop_unresolved(request)
         self.scheduler.abort(request)
+        self.sampler.remove_request(request_id)
         self._close_text(request)
         return True
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to schedule, or a step in flight whose tokens some unfinished request still waits for."""
+        in_flight = self._in_flight
+        return self.scheduler.has_work or (in_flight is not None and any(
+            not r.is_finished for r in in_flight.requests))
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step. Overlapped (`EngineOptions.overlap`): launch step N+1 on the device, then read and emit step
+        N's tokens while the GPU runs N+1; the outputs are those of the plain loop, one step later."""
+        if not self.overlap:
+            return self._process(self._launch(None))
+        launched = self._launch(self._in_flight)
+        outputs = self._process(self._in_flight)
+        self._in_flight = launched
+        return outputs
+
+    def _launch(self, previous: _Launched | None) -> _Launched | None:
+        """Schedule, build the batch, run the network and the sampler: device work only, no wait for the GPU.
+        A decode whose input token `previous` sampled reads it from the device (FutureTokens)."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            return None
         assert len({id(c.request) for c in chunks}) == len(chunks), "the scheduler gave a request two chunks"
         self.num_steps += 1
         pool = self.pool
-        work = []
+        work, positions, rows, flat = [], [], [], 0
         for chunk in chunks:
             request = chunk.request
             start = request.num_computed_tokens
+            token_ids = request.token_slice(start, start + chunk.num_tokens)
+            if request.num_unresolved:            # its input is the token the step in flight sampled
+                assert chunk.num_tokens == 1 and token_ids == [UNRESOLVED_TOKEN] and previous is not None, (
+                    f"request {request.request_id} feeds an unresolved token outside a decode")
+                positions.append(flat)
+                rows.append(previous.row_of[request.request_id])
             work.append(SeqWork(
-                new_token_ids=request.all_token_ids[start: start + chunk.num_tokens],
+                new_token_ids=token_ids,
                 prefix_len=start,
                 slot_position=pool.slot_position(request.working_slot),
                 page_positions=pool.page_positions(request.page_handles),
-                want_logits="last" if chunk.samples else "none"))
-        logits = self._forward(work)                                                   # [R, V] or None
-        sampled = [c for c in chunks if c.samples]
-        token_ids = self._sample(logits, [c.request for c in sampled]) if sampled else []
+                want_logits="last" if chunk.samples else "none",
+                snapshots=[(s.position - start, pool.slot_position(s.slot)) for s in chunk.snapshots]))
+            flat += chunk.num_tokens
+        future = FutureTokens(previous.sample.token_ids, positions, rows) if positions else None
+        logits = self._forward(work, future)                                             # [R, V] or None
+        sampled = [c.request for c in chunks if c.samples]
+        sample = self._sample(logits, sampled) if sampled else None
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
-            self.scheduler.snapshot(chunk.request)
+            if chunk.snapshots:
+                self.scheduler.commit_snapshots(chunk)
+        for request in sampled:                   # a placeholder until the host reads the id
+            request.output_token_ids.append(UNRESOLVED_TOKEN)
+            request.num_unresolved += 1
+        return _Launched(sampled, sample, {r.request_id: row for row, r in enumerate(sampled)})
+
+    def _process(self, launched: _Launched | None) -> list[StepOutput]:
+        """Read a launched step's sampled ids (the one wait for the GPU) and emit them: placeholders replaced,
+        logprobs, incremental text and stop checks, finishes. Requests finished or aborted since are skipped."""
+        if launched is None or launched.sample is None:
+            return []
+        host = launched.sample.result()
         outputs = []
-        for row, (chunk, token_id) in enumerate(zip(sampled, token_ids)):
-            outputs.append(self._append_token(chunk.request, token_id, logits[row] if logits is not None else None))
+        for row, request in enumerate(launched.requests):
+            if request.is_finished:
+                continue
+            index = len(request.output_token_ids) - request.num_unresolved
+            request.output_token_ids[index] = host.token_ids[row]
+            request.num_unresolved -= 1
+            outputs.append(self._append_token(request, host.token_ids[row], host.logprobs[row]))
         return outputs
 
-    def _forward(self, work: list[SeqWork]) -> torch.Tensor | None:
+    def _forward(self, work: list[SeqWork], future: FutureTokens | None) -> torch.Tensor | None:
         """Logits [R, V] of the rows that want them: replayed from a decode graph when the step fits one."""
         graph = self.graph_decode
         if graph is None or not graph.accepts(work):
-            return self.runner.forward(work, self.pool)
+            return self.runner.forward(work, self.pool, future)
         self.num_graph_steps += 1
-        logits = graph.run(work)                                  # [len(work), V], valid until the next replay
+        logits = graph.run(work, future)                          # [len(work), V], valid until the next replay
         wanted = [row for row, item in enumerate(work) if item.want_logits != "none"]
         if len(wanted) == len(work):
             return logits
-        return logits[torch.tensor(wanted, dtype=torch.int64, device=logits.device)]
+        return logits[index_tables([wanted], logits.device, torch.int64)[0]]
 
-    def _sample(self, logits: torch.Tensor | None, requests: list[Request]) -> list[int]:
-        device = self.llm.device
-        params = [r.params for r in requests]
-        return self.runner.sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            [r.generator for r in requests])
+    def _sample(self, logits: torch.Tensor | None, requests: list[Request]):
+        """The batch's next tokens, sampled on the device in one call. Under a parallel plan the sampler rank
+        samples and every rank receives the host result (no overlap there)."""
+        rows = [SampleRow(r.request_id, r.params, r.output_token_ids, r.prompt_token_ids) for r in requests]
+        runner = self.runner
+        if self.llm.plan.is_single:
+            sample = self.sampler.sample(logits, rows)
+            sample.start_copy()
+            return sample
+        host = None
+        if runner.comm.rank == runner.sampler_rank:
+            sample = self.sampler.sample(logits, rows)
+            sample.start_copy()
+            host = sample.result()
+        return ResolvedSample(runner.comm.broadcast_object(host, src=runner.sampler_rank))
 
-    def _append_token(self, request: Request, token_id: int, logits: torch.Tensor) -> StepOutput:
+    def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
-        request.output_token_ids.append(token_id)
-        logprobs = []
-        if request.params.logprobs is not None and logits is not None:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(lp, request.params.logprobs) if request.params.logprobs else None
-            entry = {token_id: float(lp[token_id])}
-            if top is not None:
-                entry.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
-            request.output_logprobs.append(entry)
-            logprobs = [entry]
+        new_logprobs = []
+        if request.params.logprobs is not None and logprobs is not None:
+            request.output_logprobs.append(logprobs)
+            new_logprobs = [logprobs]
         output_text = self.output_texts[request.request_id]
         new_text = output_text.push([token_id])
         reason = self._finish_reason(request, token_id, output_text)
         if reason is not None:
             new_text += self._close_text(request)
             request.finish_reason = "stop" if output_text.stopped else reason
+            self._drop_unresolved(request)
             self.scheduler.finish(request)
-        return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, logprobs,
+            self.sampler.remove_request(request.request_id)
+        return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, new_logprobs,
                           new_text)
+
+    @staticmethod
+    def _drop_unresolved(request: Request) -> None:
+        """Forget tokens a step still in flight samples for a request that ends now (their work is wasted)."""
+        if request.num_unresolved:
+            del request.output_token_ids[-request.num_unresolved:]
+            request.num_unresolved = 0
 
     def _finish_reason(self, request: Request, token_id: int, output_text: OutputText) -> str | None:
         params = request.params
@@ -248,9 +336,10 @@ class Engine:
             return "stop"
         if output_text.stopped:
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens:
+        resolved = len(request.output_token_ids) - request.num_unresolved
+        if resolved >= params.max_tokens:
             return "length"
-        if request.num_tokens >= self.config.max_position_embeddings:
+        if request.num_tokens - request.num_unresolved >= self.config.max_position_embeddings:
             return "length"
         return None
 
@@ -280,6 +369,8 @@ class Engine:
                     if progress is not None:
                         progress.update(1)
             pending = {r for r in pending if not self.requests[r].is_finished}
+        if not self.scheduler.has_work:
+            self.drain()
         if progress is not None:
             progress.close()
         results = {}
@@ -291,6 +382,11 @@ class Engine:
                 request.finish_reason or "abort", request.num_cached_tokens,
                 request.output_logprobs if request.params.logprobs is not None else None)
         return results
+
+    def drain(self) -> list[StepOutput]:
+        """Read back the step in flight, if any (overlap), without launching another."""
+        launched, self._in_flight = self._in_flight, None
+        return self._process(launched)
 
     # ---- memory ---------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -316,6 +412,7 @@ class Engine:
         for request_id, request in list(self.requests.items()):
             if not request.is_finished:
                 self.abort(request_id)
+        self.drain()
         if self.graph_decode is not None:
             self.graph_decode.close()
             self.graph_decode = None

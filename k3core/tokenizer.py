@@ -102,7 +102,9 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """ids 0..255 are UTF-8 bytes; special ids (bos/eos/pad, >= 256) come from the config and never decode to text.
+    """ids 0..255 are UTF-8 bytes; special ids (bos/eos/pad, >= 256) come from the config and never decode to text;
+    every other id decodes to the visible word ` w<id>` (a preset's random model streams text a client can see and
+    time, instead of ids that show nothing), which encodes back as bytes.
     Their names (`<|bos|>`, `<|eos|>`, `<|pad|>`) exist only for `encode_with_specials` and `/tokenizer_info`."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -123,7 +125,14 @@ class ByteTokenizer(Tokenizer):
         return _split_specials(text, self._specials, self.encode)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < NUM_BYTES).decode("utf-8", errors="replace")
+        special = set(self._specials.values())
+        data = bytearray()
+        for i in ids:
+            if 0 <= i < NUM_BYTES:
+                data.append(i)
+            elif i not in special and NUM_BYTES <= i < self.vocab_size:
+                data += f" w{i}".encode()            # every id shows: a random preset streams visible text
+        return data.decode("utf-8", errors="replace")
 
     def special_token_id(self, name: str) -> int | None:
         return self._specials.get(name)

@@ -92,13 +92,16 @@ def tiny():
 def _spy_logits(llm, monkeypatch) -> list[tuple[str, int, torch.Tensor]]:
     """Record (request id, sampled token, logits it was sampled from) for every sampled token."""
     seen = []
-    original = llm.engine._append_token
+    sampler = llm.engine.sampler
+    original = sampler.sample
 
-    def spy(request, token_id, logits):
-        seen.append((request.request_id, token_id, logits.clone()))
-        return original(request, token_id, logits)
+    def spy(logits, rows):
+        sample = original(logits, rows)
+        ids = sample.token_ids.tolist()          # a sync the engine itself avoids: tests only
+        seen.extend((row.request_id, ids[i], logits[i].clone()) for i, row in enumerate(rows))
+        return sample
 
-    monkeypatch.setattr(llm.engine, "_append_token", spy)
+    monkeypatch.setattr(sampler, "sample", spy)
     return seen
 
 
@@ -390,3 +393,62 @@ def test_abort_everything_mid_flight_leaves_nothing():
     # The engine still serves correctly afterwards.
     out = llm.generate([prompts[1]], SamplingParams(max_tokens=5, **GREEDY))[0]
     assert out.token_ids == _isolated("k3-tiny", prompts[1], 5)
+
+
+# ---- budget-only prefill chunks and overlapped steps ------------------------------------------------------------
+def test_a_prefill_chunk_crosses_checkpoints_and_snapshots_each(model_path):
+    """One chunk holds the whole prompt (several checkpoint positions inside it); the cache still gets a checkpoint
+    at each, so a later prompt sharing part of it hits the longest shared checkpoint, with unchanged outputs."""
+    llm = _llm(model_path, chunked_prefill_tokens=4096)
+    vocab = llm.config.vocab_size
+    first, second, third = _family(90, 5 * INTERVAL + 3, [4, 0, 0], vocab)
+    second = second[: 3 * INTERVAL + 5] + _random_prompts(91, [6], vocab)[0]     # shares 3 checkpoints and a bit
+    third = first[: 5 * INTERVAL + 3]                                            # ends past the 5th checkpoint
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    steps = llm.engine.num_steps
+    out_first = llm.generate([first], params)[0]
+    assert llm.engine.num_steps - steps <= 1 + 4, "the prompt was cut into several prefill chunks"
+    out_second = llm.generate([second], params)[0]
+    out_third = llm.generate([third], params)[0]
+    assert out_second.num_cached_tokens == 3 * INTERVAL
+    assert out_third.num_cached_tokens == 5 * INTERVAL
+    for prompt, out in ((first, out_first), (second, out_second), (third, out_third)):
+        assert out.token_ids == _isolated(model_path, prompt, 4)
+    llm.engine.check_invariants()
+    _assert_all_freed(llm)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_overlapped_steps_give_the_plain_loops_outputs(prefix_cache):
+    """Greedy, seeded sampling with penalties, stop strings, min_tokens, logprobs and retraction under memory
+    pressure: the overlapped loop emits exactly what the plain loop emits, token by token and in text."""
+    probe = _llm("k3-tiny")
+    vocab = probe.config.vocab_size
+    prompts = _random_prompts(60, [29, 3, 40, 17, 1, 33], vocab) + _family(61, 2 * INTERVAL + 1, [2, 9], vocab)
+    params = [SamplingParams(max_tokens=14, **GREEDY),
+              SamplingParams(max_tokens=9, temperature=1.1, seed=7, top_p=0.8, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=8, presence_penalty=0.5, frequency_penalty=0.3,
+                             repetition_penalty=1.2, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=9, min_tokens=6, top_k=20),
+              SamplingParams(max_tokens=8, temperature=1.3, seed=10, stop=["a", "e"], ignore_eos=True),
+              SamplingParams(max_tokens=11, **GREEDY),
+              SamplingParams(max_tokens=6, temperature=0.7, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=6, **GREEDY)]
+    memory = _pool_for(probe, 2, 60)
+    results = {}
+    for overlap in (False, True):
+        llm = _llm("k3-tiny", prefix_cache=prefix_cache, chunked_prefill_tokens=16, memory_bytes=memory,
+                   overlap=overlap)
+        assert llm.engine.overlap is overlap
+        outs = llm.generate(prompts, params)
+        llm.engine.check_invariants()
+        _assert_all_freed(llm)
+        results[overlap] = [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+        if not overlap:
+            assert llm.engine.scheduler.num_retractions > 0, "the pool was meant to force retractions"
+    for plain, overlapped in zip(results[False], results[True]):
+        assert overlapped[:3] == plain[:3]
+        if plain[3] is not None:                 # logprobs: same ids, values to float32 rounding of the batch
+            assert [list(d) for d in overlapped[3]] == [list(d) for d in plain[3]]
+            for a, b in zip(overlapped[3], plain[3]):
+                assert all(abs(a[t] - b[t]) < 1e-5 for t in a), (a, b)

@@ -331,7 +331,8 @@ def test_byte_tokenizer_for_presets():
     text = "héllo, 世界\n"
     ids = tokenizer.encode(text)
     assert ids == list(text.encode("utf-8")) and max(ids) < 256
-    assert tokenizer.decode(ids[:3] + [256, 257, 319] + ids[3:]) == text     # special ids are not text
+    assert tokenizer.decode(ids[:3] + [256, 257] + ids[3:]) == text          # special ids are not text
+    assert tokenizer.decode([104, 300, 319, 105]) == "h w300 w319i"           # every other id shows as a word
     assert tokenizer.eos_token_ids == (257,)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert plain_chat_text(messages) == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"

@@ -23,6 +23,7 @@ import torch
 
 from k3core.memory.arena import ArenaPool
 from k3core.memory.layout import PageHandle, PoolLayout, SlotHandle
+from k3core.transfer import index_tables
 
 
 class UnifiedPool(ArenaPool):
@@ -108,8 +109,8 @@ class UnifiedPool(ArenaPool):
         movers = [depth for depth in range(new_count, len(self._page_at)) if depth not in freed_depths]
         assert len(holes) == len(movers)
         if holes:
-            dst = torch.tensor([self._page_depth_to_position(d) for d in holes], device=self.device)
-            src = torch.tensor([self._page_depth_to_position(d) for d in movers], device=self.device)
+            dst, src = index_tables([[self._page_depth_to_position(d) for d in holes],       # no wait for the GPU
+                                     [self._page_depth_to_position(d) for d in movers]], self.device, torch.int64)
             self._page_rows[dst] = self._page_rows[src]        # [num_moved, page_bytes]; src and dst disjoint
             self.bytes_moved += len(holes) * self.layout.page_bytes
             for hole, mover in zip(holes, movers):

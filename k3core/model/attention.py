@@ -44,6 +44,8 @@ class KdaLayer:
             qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)
         else:
             cu_seqlens, slots = _host_metadata(batch)
+            if batch.snapshots is not None:            # before the op overwrites the sequences' windows
+                conv_state[batch.snapshots.slot] = _conv_tails(qkv, conv_state, batch)
             qkv = ops.short_conv_prefill(qkv, self.conv_weight, cu_seqlens, conv_state, slots,
                                          batch.has_initial_state)
         q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))                      # [T, Hk, D] each
@@ -53,14 +55,34 @@ class KdaLayer:
         if batch.is_decode:
             o = ops.kda_decode(q, k, v, f, beta_logits, self.gate, recurrent, batch.slot_positions, self.scale)
         else:
-            o = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, cu_seqlens, recurrent, slots,
-                                batch.has_initial_state, self.scale).output
+            snapshots = batch.snapshots
+            out = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, cu_seqlens, recurrent, slots,
+                                  batch.has_initial_state, self.scale,
+                                  checkpoint_lengths=snapshots.lengths if snapshots is not None else None)
+            if snapshots is not None:
+                recurrent[snapshots.slot] = out.checkpoint_states.to(recurrent.dtype)
+            o = out.output
         if self.w_g is not None:
             z = F.linear(x, self.w_g)
         else:
             z = F.linear(F.linear(x, self.w_g_a), self.w_g_b)
         o = ops.gated_rms_norm(o, z.reshape(heads), self.w_o_norm, self.config.rms_norm_eps)  # [T, Hk, D]
         return F.linear(o.reshape(num_tokens, -1), self.w_o)                            # [T, H]
+
+
+def _conv_tails(x: torch.Tensor, conv_state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """[S, K_conv - 1, C]: each snapshot's conv window, the last K_conv - 1 pre-conv inputs after its sequence's
+    first n new tokens: rows n .. n + K_conv - 2 of (history window, then the new inputs x), gathered on the device.
+    A sequence without initial state has a zero history, as in the conv op."""
+    snap = batch.snapshots
+    history = conv_state.shape[1]                                               # K_conv - 1
+    at = snap.num_new[:, None] + torch.arange(history, device=x.device)         # [S, K-1] index into the concat
+    seq_start = batch.cu_seqlens.to(torch.int64)[snap.seq]                      # [S]
+    seq_slot = batch.slot_positions[snap.seq]                                   # [S]
+    from_x = x[(seq_start[:, None] + at - history).clamp(min=0)]                # [S, K-1, C]
+    old = conv_state[seq_slot[:, None], at.clamp(max=history - 1)].to(x.dtype)  # [S, K-1, C]
+    old = torch.where(batch.has_initial_state[snap.seq][:, None, None], old, torch.zeros_like(old))
+    return torch.where((at >= history)[..., None], from_x, old).to(conv_state.dtype)
 
 
 def _host_metadata(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

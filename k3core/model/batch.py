@@ -11,6 +11,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from k3core.transfer import index_tables
+
 
 class StateViews(Protocol):
     """Per-layer views of the sequence state (the unified pool implements this)."""
@@ -28,6 +30,32 @@ class SeqWork:
     slot_position: int               # KDA slot position (pool index)
     page_positions: Sequence[int] | torch.Tensor   # MLA page positions covering prefix_len + new tokens
     want_logits: str = "last"        # "last" | "all" | "none"
+    # (n, slot position): after its first n new tokens (1 <= n <= len(new_token_ids), increasing), copy the
+    # sequence's KDA state (recurrent + conv tail) into that slot position, a slot the cache will own
+    snapshots: Sequence[tuple[int, int]] = ()
+
+
+@dataclass(frozen=True)
+class FutureTokens:
+    """Input tokens a step takes from the device rather than from the host: new token `positions[i]` of the batch
+    (a flat index over every sequence's new tokens) is `source[rows[i]]`, an id sampled by the previous step that the
+    host has not read yet (overlapped steps). Their entries in SeqWork.new_token_ids are placeholders."""
+    source: torch.Tensor             # [R] int64 on the device
+    positions: Sequence[int]
+    rows: Sequence[int]
+
+
+@dataclass(frozen=True)
+class SnapshotBatch:
+    """The step's KDA snapshots (SeqWork.snapshots of every sequence, by sequence then position)."""
+    lengths: list[list[int]]         # host: per sequence, the new-token counts to snapshot after (the op's lists)
+    seq: torch.Tensor                # [S] int64 sequence of the batch each snapshot belongs to
+    num_new: torch.Tensor            # [S] int64 n: the sequence's new tokens before the snapshot
+    slot: torch.Tensor               # [S] int64 slot position the snapshot goes to
+
+    @property
+    def num_snapshots(self) -> int:
+        return int(self.slot.shape[0])
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,7 @@ class ForwardBatch:
     cu_seqlens_host: torch.Tensor | None = None
     cu_seqlens_k_host: torch.Tensor | None = None
     slot_positions_host: torch.Tensor | None = None
+    snapshots: SnapshotBatch | None = None          # KDA states the step copies out (prefill steps only)
 
     @property
     def num_tokens(self) -> int:
@@ -65,16 +94,21 @@ class ForwardBatch:
 
 
 def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.device | str,
-                        dcp_size: int = 1, dcp_rank: int = 0) -> ForwardBatch:
+                        dcp_size: int = 1, dcp_rank: int = 0, future: FutureTokens | None = None) -> ForwardBatch:
     """`page_size` is the physical page of this rank; with DCP a logical page (what the scheduler counts) holds
     page_size * dcp_size tokens, of which this rank stores every dcp_size-th, so local token j of a sequence sits at
-    page_table[j // page_size], offset j % page_size, exactly as without DCP."""
+    page_table[j // page_size], offset j % page_size, exactly as without DCP.
+
+    Every table is built on the host and reaches the device in two non-blocking copies (int64 and int32), so
+    building a batch never waits for the GPU."""
     is_decode = bool(work) and all(len(w.new_token_ids) == 1 and w.prefix_len > 0 for w in work)
     logical = page_size * dcp_size
     tokens: list[int] = []
     cu, cu_k = [0], [0]
     prefix, seq_lens, local_lens, slots, logit_rows = [], [], [], [], []
     new_page, new_offset, owned_rows, key_page, key_offset = [], [], [], [], []
+    snap_lengths: list[list[int]] = []
+    snap_seq, snap_num, snap_slot = [], [], []
     max_pages = max((len(w.page_positions) for w in work), default=0)
     table = torch.zeros(len(work), max_pages, dtype=torch.int64)
     for b, item in enumerate(work):
@@ -109,39 +143,64 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
             logit_rows.extend(range(start, start + num_new))
         elif item.want_logits == "last":
             logit_rows.append(start + num_new - 1)
-
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
+        lengths = [n for n, _ in item.snapshots]
+        if any(not 0 < n <= num_new for n in lengths) or lengths != sorted(set(lengths)):
+            raise ValueError(f"sequence {b} feeds {num_new} tokens but asks for snapshots after {lengths}; give "
+                             "increasing counts in 1..num_new")
+        snap_lengths.append(lengths)
+        for n, slot in item.snapshots:
+            snap_seq.append(b)
+            snap_num.append(n)
+            snap_slot.append(slot)
+    if any(snap_lengths) and is_decode:
+        raise ValueError("snapshots are taken in prefill steps only")
 
     def cat(parts):
-        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(device)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
-    dcp_fields = {}
+    long_parts = dict(token_ids=tokens, slot_positions=slots, new_page=cat(new_page), new_offset=cat(new_offset),
+                      key_page=cat(key_page), key_offset=cat(key_offset), logit_rows=logit_rows,
+                      snap_seq=snap_seq, snap_num=snap_num, snap_slot=snap_slot,
+                      has_initial_state=[p > 0 for p in prefix])
+    int_parts = dict(cu_seqlens=cu, cu_seqlens_k=cu_k, prefix_lens=prefix, seq_lens=seq_lens, page_table=table)
     if dcp_size > 1:
-        dcp_fields = dict(new_owned_rows=cat(owned_rows), local_seq_lens=tensor(local_lens, torch.int32))
+        long_parts["new_owned_rows"] = cat(owned_rows)
+        int_parts["local_seq_lens"] = local_lens
         if not is_decode:
-            dcp_fields["key_gather_index"] = _dcp_key_order(seq_lens, dcp_size).to(device)
+            long_parts["key_gather_index"] = _dcp_key_order(seq_lens, dcp_size)
+    on_device = dict(zip(long_parts, index_tables(list(long_parts.values()), device, torch.int64)))
+    on_device.update(zip(int_parts, index_tables(list(int_parts.values()), device, torch.int32)))
+    token_ids = on_device["token_ids"]
+    if future is not None and len(future.positions):
+        positions, rows = index_tables([future.positions, future.rows], device, torch.int64)
+        token_ids.index_copy_(0, positions, future.source.index_select(0, rows))
+    snapshots = None
+    if snap_slot:
+        snapshots = SnapshotBatch(snap_lengths, on_device["snap_seq"], on_device["snap_num"], on_device["snap_slot"])
+    dcp_fields = {name: on_device[name] for name in ("new_owned_rows", "local_seq_lens", "key_gather_index")
+                  if name in on_device}
     return ForwardBatch(
-        token_ids=tensor(tokens, torch.int64),
-        cu_seqlens=tensor(cu, torch.int32),
+        token_ids=token_ids,
+        cu_seqlens=on_device["cu_seqlens"],
         cu_seqlens_host=torch.tensor(cu, dtype=torch.int32),
         cu_seqlens_k_host=torch.tensor(cu_k, dtype=torch.int32),
         slot_positions_host=torch.tensor(slots, dtype=torch.int64),
-        cu_seqlens_k=tensor(cu_k, torch.int32),
-        prefix_lens=tensor(prefix, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        has_initial_state=tensor([p > 0 for p in prefix], torch.bool),
-        slot_positions=tensor(slots, torch.int64),
-        page_table=table.to(torch.int32).to(device),
-        new_page=cat(new_page),
-        new_offset=cat(new_offset),
-        key_page=cat(key_page),
-        key_offset=cat(key_offset),
-        logit_rows=tensor(logit_rows, torch.int64),
+        cu_seqlens_k=on_device["cu_seqlens_k"],
+        prefix_lens=on_device["prefix_lens"],
+        seq_lens=on_device["seq_lens"],
+        has_initial_state=on_device["has_initial_state"] != 0,
+        slot_positions=on_device["slot_positions"],
+        page_table=on_device["page_table"].view(len(work), max_pages),
+        new_page=on_device["new_page"],
+        new_offset=on_device["new_offset"],
+        key_page=on_device["key_page"],
+        key_offset=on_device["key_offset"],
+        logit_rows=on_device["logit_rows"],
         page_size=page_size,
         num_seqs=len(work),
         is_decode=is_decode,
         dcp_size=dcp_size,
+        snapshots=snapshots,
         **dcp_fields,
     )
 

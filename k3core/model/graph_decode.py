@@ -22,7 +22,8 @@ from typing import NamedTuple
 import torch
 
 from k3core.memory.layout import PageHandle, SlotHandle
-from k3core.model.batch import ForwardBatch, SeqWork
+from k3core.model.batch import ForwardBatch, FutureTokens, SeqWork
+from k3core.transfer import index_tables
 
 
 class DecodeInputs(NamedTuple):
@@ -175,12 +176,21 @@ class GraphDecode:
         self.runner = graph_runner(self.step, self.buckets, device=self.pool.device)
         self.runner.capture(lambda bucket: self.pack([], bucket))     # all padding: writes scratch only
 
-    def run(self, work: Sequence[SeqWork]) -> torch.Tensor:
-        """Logits [len(work), V] from the captured graph of the smallest bucket that holds the batch."""
+    def run(self, work: Sequence[SeqWork], future: FutureTokens | None = None) -> torch.Tensor:
+        """Logits [len(work), V] from the captured graph of the smallest bucket that holds the batch. The packed
+        inputs reach the device in non-blocking copies (the host never waits for the GPU here); `future` replaces
+        rows' placeholder tokens by ids sampled on the device (overlapped steps)."""
         if self.runner is None:
             raise RuntimeError("GraphDecode.run before capture(); capture once at start or use run_eager")
         inputs = self.pack(work, self.bucket_for(len(work)))          # every row written: no stale padding
-        return self.runner.run(*inputs)[: len(work)]
+        shapes = [t.shape for t in inputs]
+        dtypes = [t.dtype for t in inputs]
+        moved = [part.view(shape).to(dtype) for part, shape, dtype in zip(
+            index_tables(list(inputs), self.pool.device, torch.int64), shapes, dtypes)]
+        if future is not None and len(future.positions):
+            rows, picks = index_tables([future.positions, future.rows], self.pool.device, torch.int64)
+            moved[0].index_copy_(0, rows, future.source.index_select(0, picks))
+        return self.runner.run(*moved)[: len(work)]
 
     def run_eager(self, work: Sequence[SeqWork], num_rows: int | None = None) -> torch.Tensor:
         """The same step without a graph (padded to `num_rows`, default the bucket): what replay must match."""

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from k3core.model.batch import SeqWork, build_forward_batch
+from k3core.model.batch import FutureTokens, SeqWork, build_forward_batch
 from k3core.model.network import Network, Stream
 from k3core.parallel.comm import SINGLE, Communicator
 
@@ -39,10 +39,13 @@ class ModelRunner:
         """Tokens per page as the scheduler and the radix cache count them."""
         return self.page_size * self.plan.dcp
 
-    def forward(self, work: Sequence[SeqWork], state) -> torch.Tensor | None:
-        """Logits [R, V] on the last stage (rows in `work` order), None elsewhere."""
+    def forward(self, work: Sequence[SeqWork], state, future: FutureTokens | None = None) -> torch.Tensor | None:
+        """Logits [R, V] on the last stage (rows in `work` order), None elsewhere. `future` (one device only): input
+        tokens the previous step sampled and the host has not read yet."""
+        if future is not None and not self.plan.is_single:
+            raise ValueError("device-resolved input tokens (overlapped steps) need the whole model on one device")
         if self.plan.pp == 1:
-            return self.network.forward(self._batch(work), state)
+            return self.network.forward(self._batch(work, future), state)
         micro = [work] if all(len(w.new_token_ids) == 1 for w in work) else _split_work(work, self.pipeline_chunks)
         pending, logits = [], []
         for part in micro:
@@ -59,21 +62,9 @@ class ModelRunner:
             return None
         return torch.cat(logits)[_logit_order(work, micro).to(self.device)]
 
-    def sample(self, logits: torch.Tensor | None, temperature, top_k, top_p, min_p, generators) -> list[int]:
-        tokens = None
-        if self.comm.rank == self.sampler_rank:     # only this rank's per-request generators ever advance
-            # each row's draw key comes from its generator (None: the global RNG), one per step
-            seeds = torch.cat([torch.randint(-2 ** 63, 2 ** 63 - 1, (1,), generator=g,
-                                             device=g.device if g is not None else logits.device)
-                               for g in generators]).to(logits.device)
-            positions = torch.zeros_like(seeds)
-            tokens = self.ops.sample(logits, temperature, top_k, top_p, min_p, seeds, positions,
-                                     logits.shape[-1]).tolist()
-        return self.comm.broadcast_object(tokens, src=self.sampler_rank)
-
     # ---- helpers ---------------------------------------------------------------------------------
-    def _batch(self, work: Sequence[SeqWork]):
-        return build_forward_batch(work, self.page_size, self.device, self.dcp_size, self.dcp_rank)
+    def _batch(self, work: Sequence[SeqWork], future: FutureTokens | None = None):
+        return build_forward_batch(work, self.page_size, self.device, self.dcp_size, self.dcp_rank, future)
 
     def _peer(self, stage: int) -> int:
         return stage * self.plan.stage_size + self.stage_rank
@@ -113,8 +104,10 @@ def _split_work(work: Sequence[SeqWork], chunks: int) -> list[list[SeqWork]]:
         starts = list(range(0, len(tokens), size))
         for index, start in enumerate(starts):
             last = index == len(starts) - 1
-            pieces[index].append(SeqWork(tokens[start: start + size], item.prefix_len + start, item.slot_position,
-                                         item.page_positions, item.want_logits if last else "none"))
+            piece = tokens[start: start + size]
+            snapshots = [(n - start, slot) for n, slot in item.snapshots if start < n <= start + len(piece)]
+            pieces[index].append(SeqWork(piece, item.prefix_len + start, item.slot_position, item.page_positions,
+                                         item.want_logits if last else "none", snapshots))
     return [p for p in pieces if p]
 
 

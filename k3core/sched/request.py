@@ -5,9 +5,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from k3core.sampling_params import SamplingParams
+
+# An output token sampled by a step still running on the device (overlapped steps); replaced by its id once the
+# host reads it. Only ever the last entries of `output_token_ids`; `Request.num_unresolved` counts them.
+UNRESOLVED_TOKEN = -1
 
 
 class Status(enum.Enum):
@@ -36,13 +38,20 @@ class Request:
     cache_node: Any = None                   # locked radix node of the hit (None when no hit)
     checkpoint_positions: list[int] = field(default_factory=list)   # pending snapshot positions
     num_retractions: int = 0
-    generator: torch.Generator | None = None
+    num_unresolved: int = 0                  # trailing UNRESOLVED_TOKEN entries of output_token_ids
     text: str = ""
     first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (a decode step reads one token)."""
+        prompt = len(self.prompt_token_ids)
+        if start >= prompt:
+            return self.output_token_ids[start - prompt: end - prompt]
+        return self.all_token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:

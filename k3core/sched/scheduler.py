@@ -7,17 +7,30 @@ copy methods (copy-on-write of a cached checkpoint or partial page).
 
 Rules callers rely on:
 * every slot and page is owned exactly once: by a running request, or by the radix cache (then only read);
-* a request's chunk never crosses one of its checkpoint positions, so that after the step its working slot holds
-  exactly the state the cache should snapshot there;
+* prefill chunks are cut by the token budget only. A chunk may cross any number of the request's checkpoint
+  positions: for each one it carries a `Snapshot` with a fresh slot, the step writes the state after that
+  position into it (the KDA prefill op emits it), and `commit_snapshots` hands the slots to the cache right after
+  the step is launched;
 * decodes are scheduled before prefill chunks; when a decode cannot get a page, the running request that is
-  cheapest to recompute (fewest computed tokens) is retracted and requeued at the front.
+  cheapest to recompute (fewest computed tokens) is retracted and requeued at the front;
+* a request whose sampled token is still on the device (overlapped steps: `Request.num_unresolved`) decodes it
+  from there, is never admitted until it is known, and is not scheduled once it holds all its tokens.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from k3core.memory.layout import SlotHandle
 from k3core.sched.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The KDA state after `position` tokens of the request's sequence, written by the step into `slot` (a fresh
+    slot the scheduler took for it; the cache's once committed)."""
+    position: int
+    slot: SlotHandle
 
 
 @dataclass(frozen=True)
@@ -25,6 +38,7 @@ class ScheduledChunk:
     request: Request
     num_tokens: int            # tokens fed this step
     samples: bool              # the chunk reaches the end of the known tokens: sample after it
+    snapshots: tuple[Snapshot, ...] = ()   # checkpoint positions inside (start, start + num_tokens], in order
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,7 @@ class SchedulerOptions:
     max_running_requests: int
     chunked_prefill_tokens: int
     page_size: int
+    max_model_len: int | None = None       # a request never holds more tokens than this (None: no limit)
 
 
 class Scheduler:
@@ -58,7 +73,11 @@ class Scheduler:
         request.finish_reason = request.finish_reason or "abort"
 
     def finish(self, request: Request) -> None:
-        self.running.remove(request)
+        """Also for a request that was retracted while its last token was on the device (it is waiting then)."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         self.release(request, donate=True)
         request.status = Status.FINISHED
 
@@ -72,6 +91,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         for request in sorted([r for r in self.running if not r.is_prefilling], key=lambda r: r.arrival):
             if request not in self.running:           # retracted while making room for an earlier decode
+                continue
+            if self._holds_all_tokens(request):       # its last token is still on the device: it ends there
                 continue
             if not self._ensure_pages(request, request.num_computed_tokens + 1):
                 continue
@@ -90,7 +111,7 @@ class Scheduler:
                 budget -= chunk.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.options.max_running_requests:
             request = self.waiting[0]
-            if not self._admit(request):
+            if request.num_unresolved or not self._admit(request):
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -108,13 +129,32 @@ class Scheduler:
         return chunks
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
+        start = request.num_computed_tokens
         num = min(budget, request.num_pending_tokens)
-        later = [p for p in request.checkpoint_positions if p > request.num_computed_tokens]
-        if later:
-            num = min(num, later[0] - request.num_computed_tokens)
-        if num <= 0 or not self._ensure_pages(request, request.num_computed_tokens + num, retract_others=False):
+        if num <= 0 or not self._ensure_pages(request, start + num, retract_others=False):
             return None
-        return ScheduledChunk(request, num, samples=request.num_computed_tokens + num == request.num_tokens)
+        return ScheduledChunk(request, num, samples=start + num == request.num_tokens,
+                              snapshots=self._take_snapshots(request, start, start + num))
+
+    def _take_snapshots(self, request: Request, start: int, end: int) -> tuple[Snapshot, ...]:
+        """A fresh slot for each of the request's checkpoint positions in (start, end]. A position without room
+        for its slot is dropped: a missed checkpoint costs a later hit, never a stall."""
+        if self.cache is None:
+            return ()
+        due = [p for p in request.checkpoint_positions if start < p <= end]
+        request.checkpoint_positions = [p for p in request.checkpoint_positions if p > end]
+        snapshots = []
+        for position in due:
+            allocated = self._alloc(1, 0)
+            if allocated is None:
+                break
+            snapshots.append(Snapshot(position, allocated[0]))
+        return tuple(snapshots)
+
+    def _holds_all_tokens(self, request: Request) -> bool:
+        limit = self.options.max_model_len
+        return (len(request.output_token_ids) >= request.params.max_tokens
+                or (limit is not None and request.num_tokens >= limit))
 
     # ---- memory ---------------------------------------------------------------------------------
     def _ensure_pages(self, request: Request, num_tokens: int, retract_others: bool = True) -> bool:
@@ -208,6 +248,7 @@ class Scheduler:
         """Give back the request's slot and pages: to the cache (donate) or to the pool."""
         fed = request.all_token_ids[: request.num_computed_tokens]
         if donate and self.cache is not None and request.working_slot is not None and fed:
+            assert request.num_unresolved == 0, "a request was donated with a token still on the device"
             result = self.cache.donate(fed, request.page_handles, request.working_slot)
             request.owned_pages -= set(result.adopted_pages)
             request.working_slot = None
@@ -223,21 +264,16 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.checkpoint_positions = []
 
-    def snapshot(self, request: Request) -> None:
-        """After a step ending at a checkpoint position: copy the working slot into a new tree-owned checkpoint."""
-        position = request.num_computed_tokens
-        if self.cache is None or position not in request.checkpoint_positions:
-            return
-        request.checkpoint_positions.remove(position)
-        allocated = self._alloc(1, 0)
-        if allocated is None:
-            return                               # no room for a checkpoint: skip it, never block decoding
-        slot = allocated[0]
-        self.pool.copy_slot(request.working_slot, slot)
-        result = self.cache.insert_checkpoint(request.all_token_ids[:position], request.page_handles, slot)
-        request.owned_pages -= set(result.adopted_pages)
-        # The request still reads the pages the tree adopted: hold the new node (a descendant of the old one).
-        self.cache.lock(result.node)
-        if request.cache_node is not None:
-            self.cache.unlock(request.cache_node)
-        request.cache_node = result.node
+    def commit_snapshots(self, chunk: ScheduledChunk) -> None:
+        """After the chunk's step was launched: hand each snapshot slot to the cache as the checkpoint of its prefix.
+        The step writes the slots before anything later on the device can read them (one stream), so the tree may
+        own them at once. The request keeps reading the pages the tree adopts: it holds the newest node instead."""
+        request = chunk.request
+        for snapshot in chunk.snapshots:
+            result = self.cache.insert_checkpoint(request.all_token_ids[:snapshot.position], request.page_handles,
+                                                  snapshot.slot)
+            request.owned_pages -= set(result.adopted_pages)
+            self.cache.lock(result.node)          # a descendant of the node held so far
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+            request.cache_node = result.node

@@ -69,7 +69,7 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
 
     def ready_info() -> ModelInfo:
         if engine.error is not None:
-            raise APIError(f"the engine failed to start ({engine.error}); fix it and restart the server",
+            raise APIError(f"the engine is not available ({engine.error}); fix it and restart the server",
                            status=503, type="server_error", code="engine_failed")
         if not engine.ready.is_set() or engine.info is None:
             raise APIError("the engine is still warming up; retry in a few seconds", status=503,

@@ -36,8 +36,10 @@ class ServerArgs:
     max_running_requests: int = 64
     chunked_prefill_tokens: int = 512
     page_size: int = 16
-    checkpoint_interval: int = 64
+    checkpoint_interval: int | None = None   # None: from the state size (EngineOptions)
     disable_prefix_cache: bool = False
+    disable_overlap: bool = False
+    engine_in_process: bool = False
     cuda_graphs: bool = False
     graph_batch_sizes: str = "1,2,4,8,16,32,64"   # comma-separated; a YAML list is accepted too
     graph_max_context: int = 32768
@@ -59,6 +61,7 @@ class ServerArgs:
         return dict(prefix_cache=not self.disable_prefix_cache, chunked_prefill_tokens=self.chunked_prefill_tokens,
                     max_running_requests=self.max_running_requests, page_size=self.page_size,
                     checkpoint_interval=self.checkpoint_interval, memory_bytes=self.memory_bytes,
+                    overlap=not self.disable_overlap,
                     memory_fraction=self.memory_fraction, cuda_graphs=self.cuda_graphs,
                     graph_batch_sizes=parse_batch_sizes(self.graph_batch_sizes),
                     graph_max_context=self.graph_max_context)
@@ -111,8 +114,12 @@ _HELP = {
     "max_running_requests": "most requests decoding at once",
     "chunked_prefill_tokens": "token budget of one engine step (prefill is chunked to fit)",
     "page_size": "tokens per MLA page",
-    "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size)",
+    "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size; default: the fewest "
+                           "pages whose MLA bytes reach one KDA state slot, so checkpoints never outweigh the KV)",
     "disable_prefix_cache": "turn the radix prefix cache off",
+    "disable_overlap": "run each step's host work after its GPU work instead of beside the next step's (debugging)",
+    "engine_in_process": "run the engine on a thread of the server process instead of a process of its own "
+                         "(debugging; the HTTP side then shares the engine's GIL)",
     "cuda_graphs": "replay decode steps from CUDA/HIP graphs captured at start (one GPU, backend cuda or rocm)",
     "graph_batch_sizes": "batch sizes to capture a decode graph for, comma-separated (larger batches run eagerly)",
     "graph_max_context": "longest context a replayed decode step holds; longer ones run eagerly (a wider graph "

@@ -149,10 +149,21 @@ class EngineThread:
     def _warm_up(self) -> None:
         engine, config = self.engine, self.llm.config
         from k3core.sampling_params import SamplingParams
-        prompt = [t % config.vocab_size for t in WARMUP_PROMPT]
-        request_id = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                                        "warmup")
-        engine.run_until_done([request_id])
+        # Every kernel specialisation a request can meet before /health says ready: Triton specialises integer
+        # arguments by divisibility (1, multiples of 16, others), so warm up a full-budget prefill chunk and the
+        # ragged chunk after it, short and one-token prompts, a batch of concurrent prefills and decodes, and a
+        # sampled (not greedy) row with logprobs; the decode graphs were captured at start.
+        budget = engine.options.chunked_prefill_tokens
+        room = config.max_position_embeddings - 3
+        lengths = sorted({1, len(WARMUP_PROMPT), 17, min(budget + 5, room)})
+        params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=8, seed=0, logprobs=2,
+                                 ignore_eos=True)]
+        ids = []
+        for index, length in enumerate(lengths + [17, 17]):
+            prompt = [(t * 7 + index) % config.vocab_size for t in range(1, length + 1)]
+            ids.append(engine.add_request(prompt, params[index % 2], f"warmup-{index}"))
+        engine.run_until_done(ids)
         engine.flush_cache()                           # start with an empty pool and cache
         if engine.cache is not None:
             stats = engine.cache.stats

@@ -1,10 +1,12 @@
-"""Put the pieces together: the engine thread, the FastAPI app and a uvicorn server, ready to run.
+"""Put the pieces together: the engine (a process of its own, or a thread with --engine-in-process), the FastAPI
+app and a uvicorn server, ready to run.
 
 `python -m k3core.serve` runs `Server.run()` in the main thread; tests run it in a background thread on a socket
 they bound themselves (`sockets=[...]`), then call `shutdown()`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -14,6 +16,7 @@ import uvicorn
 
 from k3core.serve.app import create_app
 from k3core.serve.args import ServerArgs
+from k3core.serve.engine_process import EngineProcess
 from k3core.serve.engine_thread import EngineThread
 from k3core.serve.metrics import ServerMetrics
 
@@ -31,10 +34,17 @@ def _build_llm(args: ServerArgs):
                seed=args.seed, expert_format=args.expert_format, **args.engine_options())
 
 
+def _load_tokenizer(model: str):
+    """The tokenizer the engine process loads too, for the HTTP side's own encoding and chat rendering."""
+    from k3core.config import load_config
+    from k3core.tokenizer import load_tokenizer
+    return load_tokenizer(model, load_config(model))
+
+
 @dataclass
 class Server:
     args: ServerArgs
-    engine: EngineThread
+    engine: EngineThread | EngineProcess
     metrics: ServerMetrics
     uvicorn_server: uvicorn.Server
 
@@ -66,7 +76,7 @@ class Server:
 
 def build_server(args: ServerArgs) -> Server:
     metrics = ServerMetrics(args.model_name)
-    build = lambda: _build_llm(args)  # noqa: E731
+    build = functools.partial(_build_llm, args)            # picklable: it may run in the engine process
     if args.plan().world_size > 1:
         from k3core.parallel.launch import torchrun_rank
         from k3core.serve.ranks import (build_leader_llm, dist_setup, run_follower, run_follower_node,
@@ -83,8 +93,12 @@ def build_server(args: ServerArgs) -> Server:
             if args.node_rank != 0:        # no HTTP here: this process is one more follower rank
                 run_follower_node(args, setup)
                 raise SystemExit(0)
-        build = lambda: build_leader_llm(args, setup)  # noqa: E731
-    engine = EngineThread(build, metrics, context_length=args.context_length)
+        build = functools.partial(build_leader_llm, args, setup)
+    if args.engine_in_process:
+        engine = EngineThread(build, metrics, context_length=args.context_length)
+    else:
+        engine = EngineProcess(build, metrics, functools.partial(_load_tokenizer, args.model),
+                               context_length=args.context_length)
     app = create_app(args, engine, metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=2, access_log=args.log_level == "debug")

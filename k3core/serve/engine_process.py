@@ -1,0 +1,328 @@
+"""The engine in a process of its own, behind the same doors as `EngineThread`.
+
+The HTTP process (FastAPI, JSON, SSE, chat rendering) and the engine loop (scheduling, batch building, sampling,
+detokenisation and stop strings) would otherwise share one GIL: every JSON encode would delay a step. Here the
+engine loop runs in a spawned child process (`_engine_main`, which drives an ordinary `EngineThread` there), and the
+two sides exchange msgspec-encoded messages over two ZMQ PUSH/PULL sockets on private ipc paths:
+
+    server -> engine   Submit, Abort, Flush, Stop
+    engine -> server   Ready (model facts or the start-up error), Event (a request's step output), Observe (a
+                       latency/token metric sample), Publish (pool and queue state), Flushed
+
+`EngineProcess` keeps each request's sink on the server side and calls it from its receiver thread. The receiver
+also watches the child: if it exits, `error` says how, `/health` answers 503, and every request still in flight
+ends at once with a clear error instead of waiting forever. Under a parallel plan the child is rank 0 (the leader);
+follower ranks run as before.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from k3core.sampling_params import SamplingParams
+from k3core.serve.engine_thread import EngineEvent, EngineThread, ModelInfo
+from k3core.serve.metrics import EngineSnapshot, ServerMetrics
+
+log = logging.getLogger("k3core.serve")
+
+POLL_MS = 100                 # how often the receiver checks that the engine process is alive
+
+
+# ---- messages ---------------------------------------------------------------------------------------------------
+class Submit(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Flush(msgspec.Struct, tag=True):
+    token: int
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+class Info(msgspec.Struct):
+    """ModelInfo without the tokenizer (the server loads its own copy of the same files)."""
+    context_length: int
+    vocab_size: int
+    is_random: bool
+    page_size: int
+    slot_bytes: int
+    page_bytes: int
+    capacity_bytes: int
+    prefix_cache: bool
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: Info | None
+    error: str | None
+
+
+class Event(msgspec.Struct, tag=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    error: str | None
+    new_text: str
+
+
+class Observe(msgspec.Struct, tag=True):
+    name: str                   # a ServerMetrics.observe_* method
+    args: list[Any]
+
+
+class Publish(msgspec.Struct, tag=True):
+    snapshot: EngineSnapshot
+
+
+class Flushed(msgspec.Struct, tag=True):
+    token: int
+    result: bool
+
+
+ToEngine = Submit | Abort | Flush | Stop
+FromEngine = Ready | Event | Observe | Publish | Flushed
+OBSERVERS = ("observe_first_token", "observe_tokens", "observe_finish")
+
+
+# ---- the engine side (child process) ----------------------------------------------------------------------------
+class _ForwardingMetrics:
+    """Stands in for ServerMetrics inside the engine process: every sample goes to the server's metrics."""
+
+    def __init__(self, send: Callable[[FromEngine], None]):
+        self._send = send
+        self.ready = False
+
+    def __getattr__(self, name: str):
+        if name in OBSERVERS:
+            return lambda *args: self._send(Observe(name, list(args)))
+        raise AttributeError(name)
+
+    def publish(self, snapshot: EngineSnapshot) -> None:
+        self._send(Publish(snapshot))
+
+
+def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_engine: str, from_engine: str) -> None:
+    """The child process: an EngineThread's loop on this process's main thread, fed from the command socket."""
+    context = zmq.Context()
+    out = context.socket(zmq.PUSH)
+    out.connect(from_engine)
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(to_engine)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToEngine)
+    out_lock = threading.Lock()
+
+    def send(message: FromEngine) -> None:
+        data = encoder.encode(message)
+        with out_lock:                      # the engine loop and the command reader both send
+            out.send(data)
+
+    engine = EngineThread(build_llm, _ForwardingMetrics(send), context_length=context_length)
+
+    def sink_for(request_id: str) -> Callable[[EngineEvent], None]:
+        def sink(event: EngineEvent) -> None:
+            send(Event(request_id, event.new_token_ids, event.new_logprobs, event.finished, event.finish_reason,
+                       event.num_cached_tokens, event.error, event.new_text))
+        return sink
+
+    def read_commands() -> None:
+        engine.ready.wait()
+        while True:
+            command = decoder.decode(inbox.recv())
+            if isinstance(command, Submit):
+                engine.submit(command.request_id, command.prompt_token_ids, command.params,
+                              sink_for(command.request_id), command.arrival)
+            elif isinstance(command, Abort):
+                engine.abort(command.request_id)
+            elif isinstance(command, Flush):
+                done = engine.flush_cache()
+                done.add_done_callback(lambda f, token=command.token: send(Flushed(token, bool(f.result()))))
+            elif isinstance(command, Stop):
+                engine._stop.set()
+                return
+
+    def report_ready() -> None:
+        engine.ready.wait()
+        info = engine.info
+        send(Ready(None if info is None else Info(info.context_length, info.vocab_size, info.is_random,
+                                                  info.page_size, info.slot_bytes, info.page_bytes,
+                                                  info.capacity_bytes, info.prefix_cache), engine.error))
+
+    threading.Thread(target=report_ready, name="k3core-engine-ready", daemon=True).start()
+    threading.Thread(target=read_commands, name="k3core-engine-commands", daemon=True).start()
+    engine._run()                           # returns once Stop arrives (or start-up failed)
+    if engine.error is not None:
+        time.sleep(0.2)                     # let Ready(error) leave before the sockets close
+    out.close(linger=1000)
+    inbox.close(linger=0)
+    context.term()
+
+
+# ---- the server side --------------------------------------------------------------------------------------------
+class EngineProcess:
+    """EngineThread's interface (start, stop, submit, abort, flush_cache, ready, error, info), engine elsewhere.
+
+    `load_tokenizer` runs in the server process once the engine is ready: the HTTP side renders chats and encodes
+    prompts itself, with the same tokenizer files the engine loaded.
+    """
+
+    def __init__(self, build_llm: Callable[[], Any], metrics: ServerMetrics, load_tokenizer: Callable[[], Any],
+                 context_length: int | None = None):
+        self.metrics = metrics
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self.info: ModelInfo | None = None
+        self._load_tokenizer = load_tokenizer
+        self._dir = tempfile.mkdtemp(prefix="k3core-engine-")      # mode 0700: only this user reaches the sockets
+        self._to_engine = f"ipc://{os.path.join(self._dir, 'to-engine')}"
+        self._from_engine = f"ipc://{os.path.join(self._dir, 'from-engine')}"
+        self._context = zmq.Context()
+        self._out = self._context.socket(zmq.PUSH)
+        self._out.bind(self._to_engine)
+        self._in = self._context.socket(zmq.PULL)
+        self._in.bind(self._from_engine)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._send_lock = threading.Lock()
+        self._sinks: dict[str, Callable[[EngineEvent], None]] = {}
+        self._flushes: dict[int, Future] = {}
+        self._next_flush = 0
+        self._stopping = False
+        spawn = mp.get_context("spawn")
+        self._process = spawn.Process(target=_engine_main, name="k3core-engine",
+                                      args=(build_llm, context_length, self._to_engine, self._from_engine))
+        self._receiver = threading.Thread(target=self._receive, name="k3core-engine-receiver", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    # ---- doors (any thread) -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._process.start()
+        self._receiver.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._process.is_alive():
+            self._send(Stop())
+            self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout)
+        self._receiver.join(timeout)
+        self._out.close(linger=0)
+        self._in.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               sink: Callable[[EngineEvent], None], arrival: float) -> None:
+        if self.error is not None:
+            sink(EngineEvent([], [], True, "error", error=self.error))
+            return
+        self._sinks[request_id] = sink
+        self._send(Submit(request_id, list(prompt_token_ids), params, arrival))
+
+    def abort(self, request_id: str) -> None:
+        if self.error is None:
+            self._send(Abort(request_id))
+
+    def flush_cache(self) -> Future:
+        done: Future = Future()
+        if self.error is not None:
+            done.set_exception(RuntimeError(self.error))
+            return done
+        with self._send_lock:
+            token = self._next_flush
+            self._next_flush += 1
+            self._flushes[token] = done
+        self._send(Flush(token))
+        return done
+
+    def _send(self, message: ToEngine) -> None:
+        data = self._encoder.encode(message)
+        with self._send_lock:               # zmq sockets are not thread-safe
+            self._out.send(data)
+
+    # ---- the receiver thread --------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while True:
+            if self._in.poll(POLL_MS):
+                self._dispatch(self._decoder.decode(self._in.recv()))
+                continue
+            if not self._process.is_alive():
+                while self._in.poll(0):                         # what it sent before it went
+                    self._dispatch(self._decoder.decode(self._in.recv()))
+                if not self._stopping:
+                    self._died()
+                return
+
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, Event):
+            sink = self._sinks.get(message.request_id)
+            if sink is None:
+                return
+            if message.finished:
+                del self._sinks[message.request_id]
+            sink(EngineEvent(message.new_token_ids, message.new_logprobs, message.finished, message.finish_reason,
+                             message.num_cached_tokens, message.error, message.new_text))
+        elif isinstance(message, Observe):
+            getattr(self.metrics, message.name)(*message.args)
+        elif isinstance(message, Publish):
+            self.metrics.publish(message.snapshot)
+        elif isinstance(message, Flushed):
+            future = self._flushes.pop(message.token, None)
+            if future is not None:
+                future.set_result(message.result)
+        elif isinstance(message, Ready):
+            self._ready(message)
+
+    def _ready(self, message: Ready) -> None:
+        if message.error is None:
+            try:
+                tokenizer = self._load_tokenizer()
+            except Exception as exc:  # noqa: BLE001 (reported as the start-up error)
+                message = Ready(None, f"the server could not load the tokenizer ({type(exc).__name__}: {exc})")
+            else:
+                i = message.info
+                self.info = ModelInfo(tokenizer, i.context_length, i.vocab_size, i.is_random, i.page_size,
+                                      i.slot_bytes, i.page_bytes, i.capacity_bytes, i.prefix_cache)
+        self.error = message.error
+        self.metrics.ready = self.error is None
+        self.ready.set()
+
+    def _died(self) -> None:
+        code = self._process.exitcode
+        self.error = (f"the engine process exited unexpectedly (exit code {code}); the server cannot serve "
+                      "requests until it is restarted")
+        log.error("%s", self.error)
+        self.metrics.ready = False
+        self.ready.set()
+        for request_id, sink in list(self._sinks.items()):
+            self._sinks.pop(request_id, None)
+            sink(EngineEvent([], [], True, "error", error=self.error))
+        for future in self._flushes.values():
+            future.set_exception(RuntimeError(self.error))
+        self._flushes.clear()
