@@ -9,7 +9,10 @@
 #                                             --repeats N); installs the fla-core anchor from .whl/ when it is there
 #   bash scripts/gpu.sh model [ARGS]          python -m bench.model_bench --model k3-mini (BS=1 decode vs its memory
 #                                             floor, 8K prefill, 64 x 8K decode, cuda vs torch backend)
-#   bash scripts/gpu.sh serving [ARGS]        starts python -m k3core.serve on the GPU, runs python -m bench.serve_bench
+#   bash scripts/gpu.sh serving [ARGS]        python -m bench.serving: the model's decode/prefill ceilings, engine
+#                                             steps (GPU-busy share), a lone 8K prompt cache on/off, offline
+#                                             LLM.generate and the HTTP server on one workload, as ratios
+#   bash scripts/gpu.sh serve-bench [ARGS]    starts python -m k3core.serve on the GPU, runs python -m bench.serve_bench
 #                                             on the random and shared-prefix datasets (ARGS go to the server; MODEL
 #                                             and BACKEND override k3-mini and cuda)
 #   bash scripts/gpu.sh parallel [ARGS]       python -m bench.parallel_bench on 2 GPUs (--sections, --plans)
@@ -101,6 +104,12 @@ model() {
 }
 
 serving() {
+    run "${LIMIT:-580}" serving.log "$PY" -m bench.serving --out "$OUT" "$@"
+    [ "$DRY_RUN" = 1 ] && return 0
+    tail -n 40 "$OUT/serving.log" | cut -c1-260
+}
+
+serve_bench() {
     local port=${PORT:-30200} url
     url=http://127.0.0.1:$port
     local server=("$PY" -m k3core.serve --model "${MODEL:-k3-mini}" --backend "${BACKEND:-cuda}" --port "$port" "$@")
@@ -184,6 +193,8 @@ command=${1:-}
 case "$command" in
     conformance|graphs|kernels|model|serving|parallel|tune)
         mkdir -p "$OUT"; environment; "$command" "$@" ;;
+    serve-bench)
+        mkdir -p "$OUT"; environment; serve_bench "$@" ;;
     -h|--help|help)
         usage ;;
     *)

@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     ["kernels", "--only", "moe"],
     ["model"],
     ["serving"],
+    ["serve-bench"],
     ["parallel"],
     ["tune", "prefill"],
     ["tune", "decode"],
