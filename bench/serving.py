@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     section("http", http, args, prompts, out_dir)
     result["machine"] = serve_bench.machine()
+    if os.environ.get("K3CORE_COMMIT"):                 # a copy of the tree without its .git
+        result["machine"]["commit"] = os.environ["K3CORE_COMMIT"]
     result["ratios"] = ratios(result, args)
     name = "serving-" + ("smoke" if args.smoke else result["device"].lower().replace("nvidia ", "nvidia-")
                          .replace(" ", "-"))
