@@ -124,7 +124,8 @@ def markdown(report: Report) -> str:
     amd = t.vendor == "amd"
     lines = [f"## {t.arch}: {t.device}, {t.backend} tables",
              "",
-             f"{len(report.rows)} distinct launches compiled in {report.seconds:.0f} s; limits: "
+             f"{len(report.rows)} distinct launches, captured and compiled in {report.seconds:.0f} s (less when Triton's "
+             f"cache already holds them); limits: "
              f"{_kib(t.shared_bytes)} KiB {'LDS' if amd else 'shared memory'} per program, "
              f"{t.registers_per_thread} registers per thread. "
              + ("Registers are VGPRs of the unified file (the AGPRs among them in brackets); occupancy is waves per SIMD (LLVM's count, capped by LDS)."
