@@ -124,9 +124,8 @@ def markdown(report: Report) -> str:
     amd = t.vendor == "amd"
     lines = [f"## {t.arch}: {t.device}, {t.backend} tables",
              "",
-             f"{len(report.rows)} distinct launches, captured and compiled in {report.seconds:.0f} s (less when Triton's "
-             f"cache already holds them); limits: "
-             f"{_kib(t.shared_bytes)} KiB {'LDS' if amd else 'shared memory'} per program, "
+             f"{len(report.rows)} distinct launches, captured and compiled in {report.seconds:.0f} s (less when "
+             f"Triton's cache already holds them); limits: {_kib(t.shared_bytes)} KiB {'LDS' if amd else 'shared memory'} per program, "
              f"{t.registers_per_thread} registers per thread. "
              + ("Registers are VGPRs of the unified file (the AGPRs among them in brackets); occupancy is waves per SIMD (LLVM's count, capped by LDS)."
                 if amd else "Occupancy is programs per SM (from registers and shared memory); the cubin does not "
