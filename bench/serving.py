@@ -57,10 +57,11 @@ def ceiling(llm, args, device) -> dict:
     from k3core.model.graph_decode import GraphDecode
     config, network = llm.config, llm.network
     generator = torch.Generator(device="cpu").manual_seed(0)
+    device_generator = torch.Generator(device=device).manual_seed(0)
     out = {}
     for rows in sorted({1, args.concurrency}):
         pool, sequences = make_pool(config, llm.dtype, device, rows, args.input_len)
-        fill_random(pool, sequences, generator)
+        fill_random(pool, sequences, device_generator)
         work = decode_work(pool, sequences, args.input_len)
         graph = GraphDecode(network, pool, max_context=args.input_len + 1, buckets=[rows])
         if device.type == "cuda":
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-fraction", type=float, default=0.3)
     parser.add_argument("--sections", default="ceiling,engine_steps,lone_prompt,offline,http")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--name", default=None, help="result file stem (default serving-<device>)")
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU (tests)")
     args = parser.parse_args(argv)
     from k3core import LLM
@@ -378,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("K3CORE_COMMIT"):                 # a copy of the tree without its .git
         result["machine"]["commit"] = os.environ["K3CORE_COMMIT"]
     result["ratios"] = ratios(result, args)
-    name = "serving-" + ("smoke" if args.smoke else result["device"].lower().replace("nvidia ", "nvidia-")
-                         .replace(" ", "-"))
+    name = args.name or "serving-" + ("smoke" if args.smoke else result["device"].lower()
+                                      .replace("nvidia ", "nvidia-").replace(" ", "-"))
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out_dir / f"{name}.md").write_text(markdown(result))
     print(markdown(result))

@@ -155,7 +155,7 @@ class EngineThread:
         # sampled (not greedy) row with logprobs; the decode graphs were captured at start.
         budget = engine.options.chunked_prefill_tokens
         room = config.max_position_embeddings - 3
-        lengths = sorted({1, len(WARMUP_PROMPT), 17, min(budget + 5, room)})
+        lengths = sorted({1, len(WARMUP_PROMPT), 17, min(budget + 5, room), min(2 * budget + 5, room)})
         params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=8, seed=0, logprobs=2,
                                  ignore_eos=True)]
