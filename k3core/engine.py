@@ -242,7 +242,8 @@ class Engine:
                 slot_position=pool.slot_position(request.working_slot),
                 page_positions=pool.page_positions(request.page_handles),
                 want_logits="last" if chunk.samples else "none",
-                snapshots=[(s.position - start, pool.slot_position(s.slot)) for s in chunk.snapshots]))
+                snapshots=[(s.position - start, -1 if s.slot is None else pool.slot_position(s.slot))
+                           for s in chunk.snapshots]))
             flat += chunk.num_tokens
         future = FutureTokens(previous.sample.token_ids, positions, rows) if positions else None
         logits = self._forward(work, future)                                             # [R, V] or None

@@ -19,14 +19,15 @@ ENGINE = dict(page_size=2, checkpoint_interval=8, chunked_prefill_tokens=64, mem
 
 def _generate_with_logits(llm: LLM, prompts, max_tokens: int):
     seen: dict[str, list[torch.Tensor]] = {}
-    original = llm.engine._append_token
+    original = llm.engine._sample
 
-    def spy(request, token_id, logits):
+    def spy(logits, requests):                   # the logits each sampled token came from (last stage only)
         if logits is not None:
-            seen.setdefault(request.request_id, []).append(logits.clone())
-        return original(request, token_id, logits)
+            for row, request in enumerate(requests):
+                seen.setdefault(request.request_id, []).append(logits[row].clone())
+        return original(logits, requests)
 
-    llm.engine._append_token = spy
+    llm.engine._sample = spy
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return [o.token_ids for o in outs], [torch.stack(seen[o.request_id]) if o.request_id in seen else None
                                          for o in outs]

@@ -371,3 +371,32 @@ def test_metrics_exposes_the_required_series(server):
     assert metric_sum(values, "k3core_prefix_cache_hit_tokens_total") > 0          # from the repeated prompt test
     assert metric_sum(values, "k3core_prefix_cache_hit_tokens_total") <= \
         metric_sum(values, "k3core_prefix_cache_queried_tokens_total")
+
+
+def test_penalties_min_tokens_logit_bias_and_many_stops_are_honoured(server, offline):
+    """Sampling controls reach the device sampler: the server's tokens equal the offline engine's with the same
+    SamplingParams, and each control changes the output (so none is silently dropped)."""
+    prompt = "penalties"
+    base = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    controls = dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, min_tokens=4)
+    body = httpx.post(server + "/v1/completions", json=dict(base, **controls), headers=headers(), timeout=60).json()
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True, **controls)
+    want = offline.generate([prompt], params)[0]
+    assert body["choices"][0]["text"] == want.text
+    plain = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True))[0]
+    assert plain.token_ids != want.token_ids, "the penalties changed nothing: the test cannot see them"
+    forced = httpx.post(server + "/v1/completions", json=dict(base, logit_bias={"120": 100}), headers=headers(),
+                        timeout=60).json()
+    assert forced["choices"][0]["text"] == "x" * 12                # byte 120 is 'x'
+    stops = [f"never{i}" for i in range(30)] + ["x"]
+    stopped = httpx.post(server + "/v1/completions", json=dict(base, logit_bias={"120": 100}, stop=stops),
+                         headers=headers(), timeout=60).json()
+    assert stopped["choices"][0]["text"] == "" and stopped["choices"][0]["finish_reason"] == "stop"
+    top = httpx.post(server + "/v1/completions", json=dict(base, max_tokens=2, logprobs=20), headers=headers(),
+                     timeout=60).json()
+    for position in top["choices"][0]["logprobs"]["top_logprobs"]:
+        assert len(position) >= 20
+    for bad in (dict(presence_penalty=3), dict(logit_bias={"x": 1}), dict(logit_bias={"5": 101}),
+                dict(repetition_penalty=0), dict(min_tokens=-1), dict(stop=["a"] * 300)):
+        response = httpx.post(server + "/v1/completions", json=dict(base, **bad), headers=headers(), timeout=60)
+        assert response.status_code == 400 and next(iter(bad)) in response.text, (bad, response.text)

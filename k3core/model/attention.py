@@ -44,7 +44,7 @@ class KdaLayer:
             qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)
         else:
             cu_seqlens, slots = _host_metadata(batch)
-            if batch.snapshots is not None:            # before the op overwrites the sequences' windows
+            if batch.snapshots is not None and batch.snapshots.num_snapshots:   # before the op overwrites them
                 conv_state[batch.snapshots.slot] = _conv_tails(qkv, conv_state, batch)
             qkv = ops.short_conv_prefill(qkv, self.conv_weight, cu_seqlens, conv_state, slots,
                                          batch.has_initial_state)
@@ -59,8 +59,8 @@ class KdaLayer:
             out = ops.kda_prefill(q, k, v, f, beta_logits, self.gate, cu_seqlens, recurrent, slots,
                                   batch.has_initial_state, self.scale,
                                   checkpoint_lengths=snapshots.lengths if snapshots is not None else None)
-            if snapshots is not None:
-                recurrent[snapshots.slot] = out.checkpoint_states.to(recurrent.dtype)
+            if snapshots is not None and snapshots.num_snapshots:
+                recurrent[snapshots.slot] = out.checkpoint_states[snapshots.rows].to(recurrent.dtype)
             o = out.output
         if self.w_g is not None:
             z = F.linear(x, self.w_g)

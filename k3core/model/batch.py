@@ -31,7 +31,8 @@ class SeqWork:
     page_positions: Sequence[int] | torch.Tensor   # MLA page positions covering prefix_len + new tokens
     want_logits: str = "last"        # "last" | "all" | "none"
     # (n, slot position): after its first n new tokens (1 <= n <= len(new_token_ids), increasing), copy the
-    # sequence's KDA state (recurrent + conv tail) into that slot position, a slot the cache will own
+    # sequence's KDA state (recurrent + conv tail) into that slot position, a slot the cache will own; slot -1:
+    # copy nothing, only cut the KDA chunks there (the cut points of a run must not depend on cache room)
     snapshots: Sequence[tuple[int, int]] = ()
 
 
@@ -48,7 +49,8 @@ class FutureTokens:
 @dataclass(frozen=True)
 class SnapshotBatch:
     """The step's KDA snapshots (SeqWork.snapshots of every sequence, by sequence then position)."""
-    lengths: list[list[int]]         # host: per sequence, the new-token counts to snapshot after (the op's lists)
+    lengths: list[list[int]]         # host: per sequence, the new-token counts to cut at (the op's lists)
+    rows: torch.Tensor               # [S] int64 row of the op's checkpoint_states each snapshot takes
     seq: torch.Tensor                # [S] int64 sequence of the batch each snapshot belongs to
     num_new: torch.Tensor            # [S] int64 n: the sequence's new tokens before the snapshot
     slot: torch.Tensor               # [S] int64 slot position the snapshot goes to
@@ -108,7 +110,8 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
     prefix, seq_lens, local_lens, slots, logit_rows = [], [], [], [], []
     new_page, new_offset, owned_rows, key_page, key_offset = [], [], [], [], []
     snap_lengths: list[list[int]] = []
-    snap_seq, snap_num, snap_slot = [], [], []
+    snap_row, snap_seq, snap_num, snap_slot = [], [], [], []
+    num_marks = 0
     max_pages = max((len(w.page_positions) for w in work), default=0)
     table = torch.zeros(len(work), max_pages, dtype=torch.int64)
     for b, item in enumerate(work):
@@ -149,9 +152,12 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
                              "increasing counts in 1..num_new")
         snap_lengths.append(lengths)
         for n, slot in item.snapshots:
-            snap_seq.append(b)
-            snap_num.append(n)
-            snap_slot.append(slot)
+            if slot >= 0:
+                snap_row.append(num_marks)
+                snap_seq.append(b)
+                snap_num.append(n)
+                snap_slot.append(slot)
+            num_marks += 1
     if any(snap_lengths) and is_decode:
         raise ValueError("snapshots are taken in prefill steps only")
 
@@ -160,7 +166,7 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
 
     long_parts = dict(token_ids=tokens, slot_positions=slots, new_page=cat(new_page), new_offset=cat(new_offset),
                       key_page=cat(key_page), key_offset=cat(key_offset), logit_rows=logit_rows,
-                      snap_seq=snap_seq, snap_num=snap_num, snap_slot=snap_slot,
+                      snap_row=snap_row, snap_seq=snap_seq, snap_num=snap_num, snap_slot=snap_slot,
                       has_initial_state=[p > 0 for p in prefix])
     int_parts = dict(cu_seqlens=cu, cu_seqlens_k=cu_k, prefix_lens=prefix, seq_lens=seq_lens, page_table=table)
     if dcp_size > 1:
@@ -175,8 +181,9 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
         positions, rows = index_tables([future.positions, future.rows], device, torch.int64)
         token_ids.index_copy_(0, positions, future.source.index_select(0, rows))
     snapshots = None
-    if snap_slot:
-        snapshots = SnapshotBatch(snap_lengths, on_device["snap_seq"], on_device["snap_num"], on_device["snap_slot"])
+    if num_marks:
+        snapshots = SnapshotBatch(snap_lengths, on_device["snap_row"], on_device["snap_seq"], on_device["snap_num"],
+                                  on_device["snap_slot"])
     dcp_fields = {name: on_device[name] for name in ("new_owned_rows", "local_seq_lens", "key_gather_index")
                   if name in on_device}
     return ForwardBatch(

@@ -28,9 +28,10 @@ from k3core.sched.request import Request, Status
 @dataclass(frozen=True)
 class Snapshot:
     """The KDA state after `position` tokens of the request's sequence, written by the step into `slot` (a fresh
-    slot the scheduler took for it; the cache's once committed)."""
+    slot the scheduler took for it; the cache's once committed). slot None: no room for it, but the step still cuts
+    its KDA chunks there, so that a later request resuming from any checkpoint computes exactly what this one did."""
     position: int
-    slot: SlotHandle
+    slot: SlotHandle | None
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,11 @@ class Scheduler:
             return ()
         due = [p for p in request.checkpoint_positions if start < p <= end]
         request.checkpoint_positions = [p for p in request.checkpoint_positions if p > end]
-        snapshots = []
+        snapshots, room = [], True
         for position in due:
-            allocated = self._alloc(1, 0)
-            if allocated is None:
-                break
-            snapshots.append(Snapshot(position, allocated[0]))
+            allocated = self._alloc(1, 0) if room else None
+            room = allocated is not None
+            snapshots.append(Snapshot(position, allocated[0] if room else None))
         return tuple(snapshots)
 
     def _holds_all_tokens(self, request: Request) -> bool:
@@ -270,6 +270,8 @@ class Scheduler:
         own them at once. The request keeps reading the pages the tree adopts: it holds the newest node instead."""
         request = chunk.request
         for snapshot in chunk.snapshots:
+            if snapshot.slot is None:
+                continue
             result = self.cache.insert_checkpoint(request.all_token_ids[:snapshot.position], request.page_handles,
                                                   snapshot.slot)
             request.owned_pages -= set(result.adopted_pages)

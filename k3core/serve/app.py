@@ -137,7 +137,10 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                                   min_p=req.min_p, seed=req.seed, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  logprobs=req.logprobs)
+                                  logprobs=req.logprobs, presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty,
+                                  repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                                  logit_bias=req.logit_bias)
         except ValueError as exc:
             raise APIError(str(exc), code="invalid_value") from None
 

@@ -195,7 +195,8 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value)
         if name == "graph_batch_sizes" and isinstance(value, list):
             return ",".join(str(int(v)) for v in value)
-        if isinstance(default, int) or name in ("memory_bytes", "context_length", "cpu_threads"):
+        if isinstance(default, int) or name in ("memory_bytes", "context_length", "cpu_threads",
+                                                "checkpoint_interval"):
             as_float = float(value)
             if as_float != int(as_float):
                 raise ValueError

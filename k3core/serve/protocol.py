@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_N = 64
-MAX_COMPLETION_LOGPROBS = 5       # the OpenAI completions API allows 0..5
+MAX_STOP = 256               # stop strings per request (matched incrementally: the cost is per new character)
+MAX_LOGIT_BIAS = 1024        # entries of logit_bias
+MAX_COMPLETION_LOGPROBS = 20       # completions: logprobs 0..20 (as vLLM)
 MAX_TOP_LOGPROBS = 20             # chat: top_logprobs 0..20
 
 
@@ -42,6 +44,11 @@ class SamplingRequest:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None            # top-N per token, None = no logprobs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
     given: frozenset[str] = frozenset()    # the fields the body sets (the rest may take the model's defaults)
@@ -142,19 +149,29 @@ def _stop(body: dict) -> list[str]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise _type_error("stop", "a string or a list of strings", value)
-    if len(value) > 4:
-        raise APIError("'stop' takes at most 4 sequences", param="stop", code="invalid_value")
+    if len(value) > MAX_STOP:
+        raise APIError(f"'stop' takes at most {MAX_STOP} sequences", param="stop", code="invalid_value")
     return [s for s in value if s]
 
 
+def _logit_bias(body: dict) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise APIError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token id -> bias entries",
+                       param="logit_bias", code="invalid_value")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10) or isinstance(number, bool) \
+                or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise APIError(f"'logit_bias' maps token ids (strings of digits) to numbers in [-100, 100]; got "
+                           f"{key!r:.20}: {number!r:.20}", param="logit_bias", code="invalid_value")
+        bias[int(key)] = float(number)
+    return bias
+
+
 def _unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise APIError(f"'{name}' is not supported by this server; leave it out or set it to 0", param=name,
-                           code="unsupported_parameter")
-    if body.get("logit_bias"):
-        raise APIError("'logit_bias' is not supported by this server; leave it out", param="logit_bias",
-                       code="unsupported_parameter")
     if body.get("best_of") not in (None, 1) or body.get("echo"):
         name = "echo" if body.get("echo") else "best_of"
         raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
@@ -183,6 +200,11 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
         top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=max(_int(body, "top_k", 0, low=-1), 0),      # -1 also means off, as in vLLM
         min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        min_tokens=_int(body, "min_tokens", 0, low=0),
+        logit_bias=_logit_bias(body),
         n=_int(body, "n", 1, low=1, high=MAX_N),
         seed=_int(body, "seed", None),
         stop=_stop(body),
