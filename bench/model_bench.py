@@ -11,7 +11,7 @@ Random bf16 weights from the preset, one model in one process; the op table is s
 2. (a) BS=1 decode at 1K context, eager and graph-replayed, against its memory floor: the bytes one token reads
    (weights without the routed experts, top-k routed experts per MoE layer, the lm_head, KDA state and conv tail
    read and written, the MLA latents of the context) over the measured copy bandwidth (bench/timing.py).
-   (b) prefill of one 8K prompt, chunked as the engine chunks it (EngineOptions.chunked_prefill_tokens).
+   (b) prefill of one 8K prompt, chunked as the engine chunks it (k3core.engine.default_prefill_budget).
    (c) decode with 64 concurrent requests at 8K context, graph-replayed for cuda.
    They run (b), (c), (a): after (a)'s timings its graph's kernels are ranked by time (tools.tune.kernel_profile),
    and a profiler session slows what comes after it.
@@ -39,7 +39,7 @@ from bench.timing import measure_ceilings
 from conformance.model_check import BF16_FACTOR, BF16_FLOOR, TOLERANCE, relative_error
 from k3core.backend import OpSpec, select_ops
 from k3core.config import load_config
-from k3core.engine import EngineOptions
+from k3core.engine import default_prefill_budget
 from k3core.llm import scratch_forward
 from k3core.memory import PoolLayout, UnifiedPool
 from k3core.model.batch import SeqWork, build_forward_batch
@@ -236,7 +236,7 @@ def bench_decode(ctx, network, ops: dict, config, num_seqs: int, context_len: in
 
 
 def bench_prefill(ctx, network, ops: dict, config, sizes: dict, rows: list) -> None:
-    chunk = EngineOptions().chunked_prefill_tokens
+    chunk = default_prefill_budget(ctx.device)
     for backend in ("cuda", "torch"):
         network.ops = ops[backend]
         length, note = sizes["prefill_len"], f"chunks of {chunk} tokens, as the engine schedules them"

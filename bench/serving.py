@@ -323,11 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU (tests)")
     args = parser.parse_args(argv)
     from k3core import LLM
-    from k3core.engine import EngineOptions
+    from k3core.engine import default_prefill_budget
     if args.smoke:
         args.model, args.backend = "k3-tiny", "torch"
         args.num_prompts, args.input_len, args.output_len, args.concurrency, args.long_prompt = 4, 24, 4, 2, 64
-    args.chunk = args.chunk or EngineOptions().chunked_prefill_tokens
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    args.chunk = args.chunk or default_prefill_budget(device)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     args.cuda_graphs = device.type == "cuda"
     dtype = "bfloat16" if device.type == "cuda" else "float32"

@@ -30,7 +30,7 @@ from k3core.transfer import index_tables
 @dataclass
 class EngineOptions:
     prefix_cache: bool = True
-    chunked_prefill_tokens: int = 512
+    chunked_prefill_tokens: int | None = None    # tokens per step; None: `default_prefill_budget(device)`
     max_running_requests: int = 64
     page_size: int = 16
     checkpoint_interval: int | None = None   # tokens between cache checkpoints; None: `default_checkpoint_interval`
@@ -46,7 +46,8 @@ class EngineOptions:
         def need(cond: bool, message: str) -> None:
             if not cond:
                 raise ValueError(message)
-        need(self.chunked_prefill_tokens >= 1, "chunked_prefill_tokens must be >= 1")
+        need(self.chunked_prefill_tokens is None or self.chunked_prefill_tokens >= 1,
+             "chunked_prefill_tokens must be >= 1")
         need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
         need(self.page_size >= 1, "page_size must be >= 1")
         need(self.checkpoint_interval is None or (
@@ -62,6 +63,16 @@ class EngineOptions:
         self.graph_batch_sizes = tuple(sorted(set(sizes)))
         need(isinstance(self.graph_max_context, int) and self.graph_max_context >= 2,
              f"graph_max_context must be at least 2 tokens, got {self.graph_max_context!r}")
+
+
+GPU_PREFILL_BUDGET = 2048      # k3-mini on an H200, 128 x 1K prompts: 4.5x the throughput of 512, within 5% of 8192
+CPU_PREFILL_BUDGET = 512       # a CPU step of 2048 tokens would stall every decode for seconds
+
+
+def default_prefill_budget(device: torch.device | str) -> int:
+    """Tokens one engine step may feed when chunked_prefill_tokens is not given. Every step reads all the weights,
+    so small chunks multiply that cost; large ones stall the decodes that share the step (ITL)."""
+    return CPU_PREFILL_BUDGET if torch.device(device).type == "cpu" else GPU_PREFILL_BUDGET
 
 
 def default_checkpoint_interval(slot_bytes: int, page_bytes: int, page_size: int) -> int:
@@ -133,6 +144,7 @@ class Engine:
         else:
             raise ValueError("under a parallel plan give memory_bytes, so that every rank's pool is the same size")
         self.page_size = self.runner.logical_page_size     # tokens per page as the scheduler counts them
+        self.chunked_prefill_tokens = options.chunked_prefill_tokens or default_prefill_budget(llm.device)
         interval = options.checkpoint_interval
         if interval is None:
             interval = default_checkpoint_interval(layout.slot_bytes, layout.page_bytes, self.page_size)
@@ -142,7 +154,7 @@ class Engine:
         self.checkpoint_interval = interval
         self.cache = RadixCache(self.pool, self.page_size, interval) if options.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
-            options.max_running_requests, options.chunked_prefill_tokens, self.page_size,
+            options.max_running_requests, self.chunked_prefill_tokens, self.page_size,
             self.config.max_position_embeddings))
         # Overlap needs the sampled ids on the device of the next step: one device only.
         self.overlap = options.overlap and plan.is_single

@@ -108,9 +108,9 @@ class Recorder:
                 self.logits[(request.request_id, len(request.output_token_ids))] = logits[row].clone()
             return sample(logits, requests)
 
-        def recording_forward(work, state):
+        def recording_forward(work, state, future=None):
             self.eager_work.append(list(work))
-            return forward(work, state)
+            return forward(work, state, future)
 
         engine._sample = recording_sample
         self.forward = recording_forward
@@ -118,9 +118,9 @@ class Recorder:
         if engine.graph_decode is not None:
             replay = engine.graph_decode.run
 
-            def recording_replay(work):
+            def recording_replay(work, future=None):
                 self.graph_work.append(list(work))
-                return replay(work)
+                return replay(work, future)
 
             engine.graph_decode.run = recording_replay
 

@@ -34,7 +34,7 @@ class ServerArgs:
     memory_fraction: float = 0.5
     memory_bytes: int | None = None
     max_running_requests: int = 64
-    chunked_prefill_tokens: int = 512
+    chunked_prefill_tokens: int | None = None   # None: 2048 on a GPU, 512 on the CPU
     page_size: int = 16
     checkpoint_interval: int | None = None   # None: from the state size (EngineOptions)
     disable_prefix_cache: bool = False
@@ -112,7 +112,8 @@ _HELP = {
     "memory_fraction": "pool size as a fraction of free device memory (CPU: of 1 GiB)",
     "memory_bytes": "pool size in bytes (overrides --memory-fraction)",
     "max_running_requests": "most requests decoding at once",
-    "chunked_prefill_tokens": "token budget of one engine step (prefill is chunked to fit)",
+    "chunked_prefill_tokens": "token budget of one engine step (prefill is chunked to fit; default 2048 on a GPU, "
+                              "512 on the CPU)",
     "page_size": "tokens per MLA page",
     "checkpoint_interval": "tokens between cached KDA checkpoints (a multiple of --page-size; default: the fewest "
                            "pages whose MLA bytes reach one KDA state slot, so checkpoints never outweigh the KV)",
@@ -196,7 +197,7 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "graph_batch_sizes" and isinstance(value, list):
             return ",".join(str(int(v)) for v in value)
         if isinstance(default, int) or name in ("memory_bytes", "context_length", "cpu_threads",
-                                                "checkpoint_interval"):
+                                                "checkpoint_interval", "chunked_prefill_tokens"):
             as_float = float(value)
             if as_float != int(as_float):
                 raise ValueError

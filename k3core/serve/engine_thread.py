@@ -153,7 +153,7 @@ class EngineThread:
         # arguments by divisibility (1, multiples of 16, others), so warm up a full-budget prefill chunk and the
         # ragged chunk after it, short and one-token prompts, a batch of concurrent prefills and decodes, and a
         # sampled (not greedy) row with logprobs; the decode graphs were captured at start.
-        budget = engine.options.chunked_prefill_tokens
+        budget = engine.chunked_prefill_tokens
         room = config.max_position_embeddings - 3
         lengths = sorted({1, len(WARMUP_PROMPT), 17, min(budget + 5, room), min(2 * budget + 5, room)})
         params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
