@@ -247,7 +247,22 @@ class ModelConfig:
 
 
 def list_presets() -> list[str]:
+    """Architecture presets (random weights): the YAML files of PRESET_DIR."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def list_checkpoint_presets() -> list[str]:
+    """Trained checkpoints shipped in the package: the directories of PRESET_DIR that hold a config.json."""
+    return sorted(p.name for p in PRESET_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """The directory of a shipped checkpoint named by `model` (e.g. "k3-demo"); any other value unchanged.
+    A path that exists wins over a shipped name."""
+    text = str(model)
+    if text in list_checkpoint_presets() and not Path(text).exists():
+        return str(PRESET_DIR / text)
+    return text
 
 
 def kimi_layer_pattern(num_layers: int, period: int = 4) -> list[LayerKind]:
@@ -272,7 +287,7 @@ def _expand_patterns(data: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(model: str | os.PathLike) -> ModelConfig:
     """A preset name, a YAML file, a `config.json`, or a checkpoint directory holding one."""
-    text = str(model)
+    text = resolve_model(model)
     if text in list_presets():
         return ModelConfig.preset(text)
     path = Path(text)
@@ -281,8 +296,8 @@ def load_config(model: str | os.PathLike) -> ModelConfig:
     if path.is_dir() or (path.suffix == ".json" and path.exists()):
         return ModelConfig.from_hf(path)
     raise ConfigError(
-        f"model {text!r} is neither a preset ({', '.join(list_presets())}) nor a checkpoint directory, "
-        "YAML file or config.json that exists")
+        f"model {text!r} is neither a preset ({', '.join(list_checkpoint_presets() + list_presets())}) nor a "
+        "checkpoint directory, YAML file or config.json that exists")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,17 +1,19 @@
-"""`python -m k3core.generate --model k3-tiny --prompt "hello"`: print a completion."""
+"""`python -m k3core.generate --model k3-demo --prompt "def add(a, b):"`: print a completion."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from k3core.config import list_presets
+from k3core.config import list_checkpoint_presets, list_presets
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m k3core.generate", description=__doc__)
-    parser.add_argument("--model", default="k3-tiny",
-                        help=f"checkpoint directory or preset ({', '.join(list_presets())}); default k3-tiny")
-    parser.add_argument("--prompt", default="hello", help="prompt text")
+    presets = ", ".join(list_checkpoint_presets() + list_presets())
+    parser.add_argument("--model", default="k3-demo",
+                        help=f"checkpoint directory or preset ({presets}); default k3-demo, the shipped trained "
+                             "demo model")
+    parser.add_argument("--prompt", default="def add(a, b):\n", help="prompt text")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)

@@ -1,7 +1,7 @@
 """The public Python API: `LLM(model, backend, device, dtype)` with `prompt_logits` and `generate`.
 
     from k3core import LLM, SamplingParams
-    llm = LLM("k3-tiny", backend="torch", device="cpu", dtype="float32")
+    llm = LLM("k3-demo", backend="torch", device="cpu", dtype="float32")   # the shipped trained demo model
     llm.prompt_logits([1, 2, 3])            # [3, vocab] float32, one full-sequence forward
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, temperature=0.0))
     outs[0].token_ids                       # the generated tokens only
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from k3core.backend import OpSpec, select_ops
-from k3core.config import ModelConfig, list_presets, load_config
+from k3core.config import ModelConfig, list_presets, load_config, resolve_model
 from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.network import Network
 from k3core.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class LLM:
-    def __init__(self, model: str = "k3-tiny", backend: str = "torch", device: str = "cpu",
+    def __init__(self, model: str = "k3-demo", backend: str = "torch", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", seed: int = 0, plan: "ParallelPlan | None" = None,
                  rank: int = 0, expert_format: str | None = None, **engine_options):
         from k3core.parallel.comm import SINGLE, build_communicator
@@ -86,10 +86,11 @@ class LLM:
 
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
+        self.model_name = str(model)
+        model = resolve_model(model)                 # a shipped checkpoint's name -> its directory
         self.config: ModelConfig = load_config(model)
         if expert_format is not None:            # "mxfp4" | "bf16": the loader converts a checkpoint's experts
             self.config = self.config.replace(expert_format=expert_format)
-        self.model_name = str(model)
         self.plan = plan or ParallelPlan()
         self.plan.check(self.config)
         self.rank = rank

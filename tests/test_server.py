@@ -229,13 +229,14 @@ def test_logprobs(client, server):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and len(top) <= 3
         assert abs(chosen - max(top.values())) < 1e-5           # greedy: the chosen token is the most likely
+    # both from an empty cache (a cached prefix would run the last prompt token in a batch of one row, whose
+    # float32 sums may differ in the last bit from the whole prompt's): this compares streaming with whole only
+    assert httpx.post(server + "/flush_cache", headers=headers()).status_code == 200
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2,
                                           extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4
-    # the same computation for both (a cached prefix would run the last prompt token in a batch of one row, whose
-    # float32 sums may differ in the last bit from the whole prompt's): this compares streaming with whole only
     assert httpx.post(server + "/flush_cache", headers=headers()).status_code == 200
     streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
@@ -381,13 +382,17 @@ def test_penalties_min_tokens_logit_bias_and_many_stops_are_honoured(server, off
     SamplingParams, and each control changes the output (so none is silently dropped)."""
     prompt = "penalties"
     base = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
-    controls = dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.4, min_tokens=4)
+    # a bias that makes 'x' (byte 120) likely, then penalties that push back each time it repeats
+    lean = dict(logit_bias={"120": 12})
+    controls = dict(presence_penalty=1.5, frequency_penalty=2.0, repetition_penalty=1.4, min_tokens=4, **lean)
     body = httpx.post(server + "/v1/completions", json=dict(base, **controls), headers=headers(), timeout=60).json()
-    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True, **controls)
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True,
+                            **{**controls, "logit_bias": {120: 12.0}})
     want = offline.generate([prompt], params)[0]
     assert body["choices"][0]["text"] == want.text
-    plain = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True))[0]
-    assert plain.token_ids != want.token_ids, "the penalties changed nothing: the test cannot see them"
+    leaning = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True,
+                                                        logit_bias={120: 12.0}))[0]
+    assert want.token_ids.count(120) < leaning.token_ids.count(120), "the penalties changed nothing"
     forced = httpx.post(server + "/v1/completions", json=dict(base, logit_bias={"120": 100}), headers=headers(),
                         timeout=60).json()
     assert forced["choices"][0]["text"] == "x" * 12                # byte 120 is 'x'

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = "k3-tiny"
+DEFAULT_MODEL = "k3-demo"           # the shipped trained demo model (k3core/presets/k3-demo)
 
 
 @dataclass
@@ -18,7 +18,7 @@ class ServerArgs:
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None     # the name clients pass as `model`; default: the --model value
     backend: str = "auto"
-    device: str = "auto"                     # auto: cpu for the default k3-tiny, else the GPU when there is one
+    device: str = "auto"                     # auto: cpu for the default k3-demo, else the GPU when there is one
     dtype: str = "auto"                      # auto: float32 on the CPU, bfloat16 on a GPU
     expert_format: str | None = None         # routed experts: mxfp4 | bf16 (default: as the checkpoint has them)
     seed: int = 0
@@ -91,10 +91,11 @@ class ServerArgs:
 
 
 _HELP = {
-    "model": f"checkpoint directory, config file or preset name (default {DEFAULT_MODEL}: random weights, CPU)",
+    "model": f"checkpoint directory, config file or preset name (default {DEFAULT_MODEL}: the shipped trained "
+             "demo model, CPU; architecture presets such as k3-tiny have random weights)",
     "served_model_name": "the model name clients must send (default: the --model value)",
     "backend": "op backend: auto | cuda | rocm | torch",
-    "device": "cpu, cuda, cuda:1, ... (auto: cpu for the default k3-tiny, else a GPU when one is visible)",
+    "device": "cpu, cuda, cuda:1, ... (auto: cpu for the default k3-demo, else a GPU when one is visible)",
     "dtype": "float32 | bfloat16 | float16 (auto: float32 on the CPU, bfloat16 on a GPU)",
     "expert_format": "routed-expert storage, mxfp4 (packed, W4A16 kernels) or bf16 (default: as the checkpoint "
                      "stores them; a preset's own setting)",

@@ -36,9 +36,9 @@ def _build_llm(args: ServerArgs):
 
 def _load_tokenizer(model: str):
     """The tokenizer the engine process loads too, for the HTTP side's own encoding and chat rendering."""
-    from k3core.config import load_config
+    from k3core.config import load_config, resolve_model
     from k3core.tokenizer import load_tokenizer
-    return load_tokenizer(model, load_config(model))
+    return load_tokenizer(resolve_model(model), load_config(model))
 
 
 @dataclass
