@@ -5,7 +5,7 @@ AttnRes, the KDA gate form and output gate, MLA q_lora_rank and output gate, the
 the router. A config comes from a preset (`k3core/presets/*.yaml`), a YAML file, or a Hugging Face
 `config.json` (`model_type` `kimi_linear`, or `kimi_k3` with the language model under `text_config`).
 
-`python -m k3core.config --model k3 --tp 8` prints parameter counts and per-GPU state sizes (k3core.sizing).
+`python -m k3core.sizing --model k3 --tp 8` prints parameter counts and per-GPU state sizes.
 """
 from __future__ import annotations
 
@@ -298,12 +298,3 @@ def load_config(model: str | os.PathLike) -> ModelConfig:
     raise ConfigError(
         f"model {text!r} is neither a preset ({', '.join(list_checkpoint_presets() + list_presets())}) nor a "
         "checkpoint directory, YAML file or config.json that exists")
-
-
-def main(argv: list[str] | None = None) -> None:
-    from k3core.sizing import main as sizing_main
-    sizing_main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -13,7 +13,6 @@ device="cuda", dtype="bf16", cuda_graphs=True)` replays decode steps from CUDA g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -23,6 +22,7 @@ from k3core.backend import OpSpec, select_ops
 from k3core.config import ModelConfig, list_presets, load_config, resolve_model
 from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.network import Network
+from k3core.outputs import CompletionOutput  # re-exported: `from k3core.llm import CompletionOutput`
 from k3core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,17 +38,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-@dataclass
-class CompletionOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]               # generated tokens only
-    text: str
-    finish_reason: str                 # "stop" | "length" | "abort"
-    num_cached_tokens: int = 0
-    logprobs: list[dict[int, float]] | None = None
 
 
 def scratch_forward(config: ModelConfig, token_ids: Sequence[int], dtype: torch.dtype, device: torch.device):

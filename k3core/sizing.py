@@ -1,7 +1,7 @@
 """Sizes that decide how a model fits: parameters, per-GPU weights, per-token MLA KV, per-request KDA state, and
 the MLA context capacity left in a GPU. The memory pool and the parallel planner reuse `StateSizes` and `Capacity`.
 
-`python -m k3core.config --model k3 --tp 8 [--dcp 8] [--gpu-memory 288GB]` prints them.
+`python -m k3core.sizing --model k3 --tp 8 [--dcp 8] [--gpu-memory 288GB]` prints them.
 
 Placement assumptions (the ones the numbers rest on):
 * `capacity()` spreads the weights evenly over the `tp` GPUs of a group (attention and dense weights by TP, routed
@@ -219,7 +219,7 @@ def report(config: ModelConfig, tp: int, dcp: int, gpu_memory: float | None, mem
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m k3core.config",
+    parser = argparse.ArgumentParser(prog="python -m k3core.sizing",
                                      description="Parameter counts, per-GPU state sizes and MLA context capacity.")
     parser.add_argument("--model", default="k3", help="preset name, YAML file or checkpoint directory")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (KDA/MLA heads split by it)")
@@ -244,3 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     print(text)
+
+
+if __name__ == "__main__":
+    main()

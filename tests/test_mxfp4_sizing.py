@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from k3core.config import ModelConfig
-from k3core.config import main as config_main
 from k3core.model.weights import init_random_weights
 from k3core.parallel.plan import ParallelPlan
 from k3core.parallel.shard import shard_model
-from k3core.sizing import per_gpu_weights, weight_bytes
+from k3core.sizing import main as sizing_main, per_gpu_weights, weight_bytes
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
@@ -40,8 +39,8 @@ def test_mxfp4_experts_are_4_25_bits_per_value():
 
 
 def test_k3_at_tp8_fits_288gb_and_bf16_experts_do_not(capsys):
-    config_main(["--model", "k3", "--tp", "8", "--gpu-memory", "288GB"])
+    sizing_main(["--model", "k3", "--tp", "8", "--gpu-memory", "288GB"])
     out = capsys.readouterr().out
     assert "plan: fits on 288.00 GB GPUs" in out and "MXFP4 packed" in out and "routed experts 180.81 GB" in out
-    config_main(["--model", "k3", "--tp", "8", "--gpu-memory", "288GB", "--expert-format", "bf16"])
+    sizing_main(["--model", "k3", "--tp", "8", "--gpu-memory", "288GB", "--expert-format", "bf16"])
     assert "does NOT fit on 288.00 GB GPUs" in capsys.readouterr().out

@@ -6,11 +6,14 @@ Published figures (K3_ARCHITECTURE.md §1.4, §5): 2779.9B total (Hugging Face's
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from k3core.config import ModelConfig, main as config_main
+from k3core.config import ModelConfig
 from k3core.model.weights import count_parameters
-from k3core.sizing import capacity, parse_bytes, state_sizes, weight_bytes
+from k3core.sizing import capacity, main as sizing_main, parse_bytes, state_sizes, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +92,17 @@ def test_parse_bytes():
 
 
 def test_cli_prints_the_figures(capsys):
-    config_main(["--model", "k3", "--tp", "8", "--dcp", "8", "--gpu-memory", "288GB"])
+    sizing_main(["--model", "k3", "--tp", "8", "--dcp", "8", "--gpu-memory", "288GB"])
     out = capsys.readouterr().out
     assert "total 2779.5B" in out and "active 105.4B" in out
     assert "3456 B" in out and "54.26 MB" in out and "MLA context capacity" in out
     with pytest.raises(SystemExit):
-        config_main(["--model", "k3", "--tp", "7"])
+        sizing_main(["--model", "k3", "--tp", "7"])
+
+
+def test_documented_command_runs():
+    # `python -m k3core.sizing` is the command the README gives
+    done = subprocess.run([sys.executable, "-m", "k3core.sizing", "--model", "k3", "--tp", "8"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "total 2779.5B" in done.stdout
