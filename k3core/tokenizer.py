@@ -33,6 +33,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from k3core.chat.plain import plain_chat_text  # re-exported: the plain template (k3core.chat.plain)
 from k3core.config import ModelConfig
 
 NUM_BYTES = 256
@@ -57,12 +58,6 @@ KIMI_PAT_STR = "|".join([
 
 class TokenizerError(RuntimeError):
     """No usable tokenizer for this model; the message says what to provide."""
-
-
-def plain_chat_text(messages: Sequence[dict[str, str]]) -> str:
-    """The plain chat template as text (see the module docstring)."""
-    blocks = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(blocks) + "<|assistant|>\n"
 
 
 class Tokenizer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from k3core.cache.types import PageHandle, SlotHandle
+from k3core.memory.layout import PageHandle, SlotHandle
 
 
 def prefix_hash(token_ids: Sequence[int]) -> int:

@@ -4,13 +4,14 @@ The format is chosen from the tokenizer (`chat_format`):
 * `"xtml"`: a `kimi_k3` model; rendered by `k3core.chat.xtml` segment by segment;
 * `"jinja"`: a checkpoint that ships a jinja chat template (Kimi-Linear, most others); rendered in a sandbox
   (`k3core.chat.templates`), then encoded with special tokens recognised, as Hugging Face does;
-* `"plain"`: presets and checkpoints without a template: the plain template of `k3core.tokenizer`.
+* `"plain"`: presets and checkpoints without a template: the plain template of `k3core.chat.plain`.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from k3core.chat import xtml
+from k3core.chat.plain import plain_chat_text
 from k3core.chat.templates import render_template
 
 CHAT_FORMATS = ("xtml", "jinja", "plain")
@@ -55,9 +56,7 @@ def render_messages(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: S
                                _special_tokens(tokenizer), **kwargs)
         encode = getattr(tokenizer, "encode_with_specials", tokenizer.encode)
         return list(encode(text))
-    from k3core.tokenizer import plain_chat_text
     flat = [{"role": m.get("role", "user"), "content": xtml._text(m.get("content"))} for m in messages]
-    text = plain_chat_text(flat) if add_generation_prompt else "".join(
-        f"<|{m['role']}|>\n{m['content']}\n" for m in flat)
+    text = plain_chat_text(flat, add_generation_prompt)
     bos = getattr(tokenizer, "bos_token_id", None)
     return ([bos] if bos is not None else []) + list(tokenizer.encode(text))
