@@ -52,8 +52,8 @@ STATE_LONG_MEMORY = {
     BF16: Tolerance(2e-2, 2e-2, "as STATE, but each chunk's bf16 rounding of W, U, the decayed keys and the state "
                                 "tile in its products is carried into every later chunk: on the same rounded inputs "
                                 "fla-core 0.6.0's chunk_kda reached 1.22x the 1e-2 bound and k3core 1.17x, over 10 "
-                                "case/seed pairs on an H200 (bench/results/kda-long-memory-nvidia-h200.md, "
-                                "2026-11-30); twice the bound leaves room for other seeds. float32 runs keep STATE's "
+                                "case/seed pairs on an H200 (bench/results/kda-long-memory-nvidia-h200.md); "
+                                "twice the bound leaves room for other seeds. float32 runs keep STATE's "
                                 "bound, and they are the ones that catch a wrong carry"),
     F16: STATE[F16],        # not measured: float16's 2^-11 rounding is 4x finer than bf16's
 }

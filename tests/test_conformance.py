@@ -113,7 +113,7 @@ def test_a_long_memory_carry_that_drifts_fails_in_float32():
 
 
 def test_a_float32_tie_at_the_top_k_boundary_is_not_a_mismatch():
-    """Seed 18291667 (a CI run, 2026-11-30): token 903's 8th and 9th experts have float64 choice scores 9.2e-8 apart,
+    """Seed 18291667 (seen on CI): token 903's 8th and 9th experts have float64 choice scores 9.2e-8 apart,
     the same float32 value, and torch's float32 top-k took the 9th. That is a tie (conformance/tolerances.py,
     ROUTE_TIE_RTOL): the runner checks the weights of the experts taken instead of failing the case."""
     case = next(c for c in CASES if c.op == "moe_route" and c.label == "sigmoid-T1000-E256-k8")

@@ -1,5 +1,5 @@
 """bench.kernel_resources compiles the KDA prefill kernels for sm_90 on the CPU (Triton's bundled ptxas) and reads
-their registers and spills: the numbers behind issue 6's KDA prefill miss, without a GPU. Runs in a subprocess
+their registers and spills, the numbers that explain the KDA prefill kernels' speed, without a GPU. Runs in a subprocess
 because conftest.py sets TRITON_INTERPRET=1, under which @triton.jit gives interpreter stand-ins."""
 from __future__ import annotations
 

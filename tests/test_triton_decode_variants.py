@@ -139,8 +139,8 @@ def test_mla_decode_programs_per_unit_match_reference(programs_per_unit):
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_mla_decode_nvidia_tables_fit_float32_caches_in_shared_memory(monkeypatch, batch):
-    """The tuned bf16 tiles (64 entries x 3 stages) asked for 335936 bytes in float32 on an H200 (limit 232448,
-    2026-11-30): (stages - 1) buffers of block_n x 576 entries plus the 16 x 576 query tile and about 41 KB more.
+    """The tuned bf16 tiles (64 entries x 3 stages) asked for 335936 bytes in float32 on an H200 (limit 232448):
+    (stages - 1) buffers of block_n x 576 entries plus the 16 x 576 query tile and about 41 KB more.
     The float32 config must fit by that same count."""
     from kernels.triton import tuning_ops
     monkeypatch.setattr(tuning_ops, "target", lambda device: "nvidia")

@@ -18,7 +18,7 @@
 4. Combine kernel (`combine_expert_rows`, shared with the torch._grouped_mm provider): each token gathers its k rows,
    scales each by its routing weight and sums them in a fixed order, in float32, and casts once.
 Token chunks bound the float32 row buffer ((T * k + E * BLOCK_M) * D * 4 bytes) to about 1 GiB plus the padding.
-`bench/tune_moe.py` times `gate_up` and `down` alone over their launch parameters (see `moe_gemm_config`).
+`tools/tune/tune_moe.py` times `gate_up` and `down` alone over their launch parameters (see `moe_gemm_config`).
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ class KernelConfig:
     # kda_state*: issue the next chunk's loads before this chunk's products (see kda_chunk_state_kernel)
     prefetch: bool = False
     # kda_state*: run the chunks as segments of at least this many, in parallel (kda_chunk_segments); 0 = off. No
-    # table entry sets it: on the H200 it lost (1.95 against 1.45 ms at B=1 x 32K, tune-prefill-segments-*.md).
+    # table entry sets it: on the H200 it lost (1.95 against 1.45 ms at B=1 x 32K,
+    # bench/results/archive/tune-prefill-segments-nvidia-h200.md).
     segment_chunks: int = 0
 
 
@@ -44,18 +45,18 @@ _NVIDIA: dict[str, KernelConfig] = {
     # H200, T=32K bf16: tf32 solve 1.9 ms vs tf32x3 8.0 ms with the same error vs float64 (3.7e-3, set by the
     # bf16 inputs); float32 inputs always get "ieee" (see kda_prefill). 32-token chunks on 4 warps: 0.79-0.80 ms
     # for the pass at 32K tokens against 1.59 (split) and 1.84 (one kernel, 8 warps) with 64-token chunks, which
-    # spill (bench.kernel_resources); the state pass then runs twice the steps (tune-prefill-chunks-nvidia-h200.md,
-    # 2026-11-29 22:43: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against 2.53 / 1.93 / 1.88).
-    # two_block (2026-11-30): 0.61 ms at 32K tokens on 4 warps against 0.76 for the masked form
-    # (tune-prefill-two-block-nvidia-h200.md, 77d559e); with its body in use order (095aacb), 0.59 on 2 warps
-    # against 0.65 on 4 (tune-prefill-wide128-nvidia-h200.md).
+    # spill (bench.kernel_resources); the state pass then runs twice the steps (bench/results/archive/
+    # tune-prefill-chunks-nvidia-h200.md: best sums 2.44 / 1.22 / 1.17 ms at B=1 32K / 8 x 4K / 64 x 512 against
+    # 2.53 / 1.93 / 1.88). two_block: 0.61 ms at 32K tokens on 4 warps against 0.76 for the masked form
+    # (archive/tune-prefill-two-block-nvidia-h200.md, 77d559e); with its body in use order (095aacb), 0.59 on 2 warps
+    # against 0.65 on 4 (archive/tune-prefill-wide128-nvidia-h200.md).
     "kda_intra": KernelConfig(block_t=32, num_warps=2, solve_precision="tf32", two_block=True),
     # 12 heads x 128/16 value blocks = 96 sequential programs per sequence. prefetch (each chunk's loads issued a
-    # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (tune-prefill-prefetch-nvidia-h200.md).
+    # step ahead): B=1 32K at 32-token chunks 1.46 ms against 1.67 (archive/tune-prefill-prefetch-nvidia-h200.md).
     "kda_state": KernelConfig(block_v=16, num_warps=4, num_stages=2, prefetch=True),
     # When kda_state's programs would not all be resident at once (see kda_prefill's state_config): whole 128-wide
     # value blocks on 8 warps, 0.31 ms at 8 x 4K and 0.26 at 64 x 512 against 0.39 / 0.34 for 64-wide blocks on 4
-    # (tune-prefill-wide128-nvidia-h200.md, 2026-11-30; 0.72 / 0.73 with kda_state's). In the sweeps (Triton 3.6)
+    # (archive/tune-prefill-wide128-nvidia-h200.md; 0.72 / 0.73 with kda_state's). In the sweeps (Triton 3.6)
     # three configs with num_stages=1 gave WRONG outputs (block_v 16 and 32 on 4 warps, 32 on 8): the float64 check
     # rejected them. Any new entry here must come out of that checked sweep.
     "kda_state_wide": KernelConfig(block_v=128, num_warps=8, num_stages=2, prefetch=True),
@@ -67,9 +68,9 @@ _AMD: dict[str, KernelConfig] = {
     "kda_gate": KernelConfig(block_c=1024, num_warps=2),
     # TODO(measured on MI300): try a faster solve precision than "ieee" once its error is checked there.
     "kda_intra": KernelConfig(block_t=64, num_warps=4, solve_precision="ieee"),
-    # Not run on AMD hardware. Until `bench.tune_prefill` runs on an MI-series GPU, these are configs that gave
-    # correct outputs under Triton 3.6 on an H200 (tune-prefill-*-nvidia-h200.md); the earlier entry, block_v 32 on
-    # 4 warps with num_stages=1, was one of the three that gave WRONG outputs there.
+    # Not run on AMD hardware. Until `tools.tune.tune_prefill` runs on an MI-series GPU, these are configs that gave
+    # correct outputs under Triton 3.6 on an H200 (bench/results/archive/tune-prefill-*-nvidia-h200.md); the earlier
+    # entry, block_v 32 on 4 warps with num_stages=1, was one of the three that gave WRONG outputs there.
     "kda_state": KernelConfig(block_v=32, num_warps=4, num_stages=2),
     "kda_state_wide": KernelConfig(block_v=32, num_warps=4, num_stages=2),
     "conv_prefill": KernelConfig(block_t=64, block_c=128, num_warps=2),

@@ -166,14 +166,15 @@ KDA_DECODE_BATCH_CLASSES = ((16, "seqs 1-16"), (128, "seqs 17-128"), (512, "seqs
 
 # NVIDIA, <= 16 heads (a TP8 rank of K3: 12 heads, 576-wide latent, page 64). The values measured before the
 # tuning sweep existed: 16 x 32 tiles on 4 warps with about 2 programs per SM (1.3 TB/s at B=1, 128K; 1.6 TB/s at
-# B=64, 8K on an H200). Paste the winners of `python -m bench.tune_decode` here, one line per class.
+# B=64, 8K on an H200). Paste the winners of `python -m tools.tune.tune_decode` here, one line per class.
 _MLA_DECODE_NVIDIA: dict[str, MlaDecodeConfig] = {
     # Since q is read per tile (kernels/triton/mla_decode.py: no longer 144 registers a thread) 32-entry tiles on 4
     # warps run two programs per SM without spilling, and win at every batch in a scratch A/B on the H200 (three
     # alternating graph timings each, against the 64-entry / 8-warp tiles of the same kernel and of the one before):
     # B=1 x 128K 73.2% of copy (69.4% before), B=8 x 32K 85.1% (78.8%), B=64 x 8K 90.9% (85.0%). Before that:
-    # tune-decode-b1-nvidia-h200.md (68.8% at B=1 with one program per SM and one merge step per 32 columns) and
-    # tune-decode-waves (B=8 79.3%, B=64 85.4% with the "waves" split count)
+    # bench/results/archive/tune-decode-b1-nvidia-h200.md (68.8% at B=1 with one program per SM and one merge step
+    # per 32 columns) and archive/tune-decode-waves-nvidia-h200.md (B=8 79.3%, B=64 85.4% with the "waves" split
+    # count)
     "batch 1-4": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
                                  tiles="page", merge_splits=256, merge_block_v=32),
     "batch 5-32": MlaDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_unit=2,
@@ -222,11 +223,11 @@ class KdaDecodeConfig(NamedTuple):
 
 
 # NVIDIA, K = V = 128 (K3). block_v 32 on 4 warps is the value used before the sweep (72% of copy at N=64, 83% at
-# N=256 on an H200); paste the winners of `python -m bench.tune_decode --only kda` here.
+# N=256 on an H200); paste the winners of `python -m tools.tune.tune_decode --only kda` here.
 _KDA_DECODE_NVIDIA: dict[str, KdaDecodeConfig] = {
-    # bench/results/tune-decode-nvidia-h200.md (2026-11-29): one warp per 8 value rows won at every N (65.5% of copy
-    # at N=16, 78.4% at 64, 89.2% at 256, 93.3% at 1024; block_v 32 / 4 warps gave 52.9 / 72.3 / 82.3 / 86.8%).
-    # The 2026-11-30 sweeps (tune-decode-waves / -merge, graphs of >= 8 calls) kept it: 82.4-83.2% at N=64, against
+    # bench/results/archive/tune-decode-nvidia-h200.md: one warp per 8 value rows won at every N (65.5% of copy at
+    # N=16, 78.4% at 64, 89.2% at 256, 93.3% at 1024; block_v 32 / 4 warps gave 52.9 / 72.3 / 82.3 / 86.8%).
+    # Later sweeps (archive/tune-decode-waves and -merge, graphs of >= 8 calls) kept it: 82.4-83.2% at N=64, against
     # block_v 4, 2 warps, streaming cache hints and programmatic dependent launch, none better beyond noise. A
     # persistent kernel (4-16 programs per SM striding over the tiles, each loading its next tile while it steps the
     # current one) lost at every N (tune-decode-persistent-nvidia-h200.md: 82.1% at best against 83.4% at N=64).
@@ -277,21 +278,21 @@ class MoeGemmConfig(NamedTuple):
 # wastes less padding. The tuner's decode shape (64 tokens x top-16 = 1024 rows) has a class of its own.
 MOE_GEMM_ROW_CLASSES = ((256, "rows 1-256"), (2048, "rows 257-2048"), (None, "rows 2049+"))
 
-# NVIDIA (sm90+), the values used before the tuning sweep existed. Paste the lines `python -m bench.tune_moe` prints
-# here, one per class.
+# NVIDIA (sm90+), the values used before the tuning sweep existed. Paste the lines `python -m tools.tune.tune_moe`
+# prints here, one per class.
 _MOE_GEMM_NVIDIA: dict[str, MoeGemmConfig] = {
     "rows 1-256": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3),
                                 down=GemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)),
-    # the 2026-11-29 sweep (tune_moe-nvidia-h200.md in git before f67c61b): 1.12x the old default at 64 tokens x
-    # top-16; still the best in tune_moe-decode-nvidia-h200.md (f644e33)
+    # the first MoE sweep (tune_moe-nvidia-h200.md in git before f67c61b): 1.12x the old default at 64 tokens x
+    # top-16; still the best in bench/results/tune_moe-decode-nvidia-h200.md (f644e33)
     "rows 257-2048": MoeGemmConfig(block_m=16, gate_up=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
                                    down=GemmConfig(block_n=128, block_k=128, num_warps=8, num_stages=3)),
-    # bench/results/tune_moe-nvidia-h200.md (f644e33): two-half 128-row blocks with descriptor weight tiles,
+    # bench/results/archive/tune_moe-nvidia-h200.md (f644e33): two-half 128-row blocks with descriptor weight tiles,
     # 3.42 ms for the pair at 1024 tokens x top-16 against 3.88 for the 64-row pointer tiles before (1.14x);
-    # torch._grouped_mm's pair 2.91 ms in the same run. tune_moe-fused-nvidia-h200.md (76b3590 + the fused form):
+    # torch._grouped_mm's pair 2.91 ms in the same run. archive/tune_moe-fused-nvidia-h200.md (76b3590 + fused form):
     # gate/up as one dot over 128 gate + 128 up columns on 8 warps, 2.06 ms against 2.16 for two dots of 64 on 4
     # (pair 3.27 ms, grouped_mm 2.93); the down tile kept (its sub-block choice flips between runs by ~2%).
-    # tune_moe-sub3-nvidia-h200.md (tenth session, two runs on two machines): 192-row blocks as three 64-row
+    # bench/results/tune_moe-sub3-nvidia-h200.md (two runs on two machines): 192-row blocks as three 64-row
     # sub-blocks on 16 warps, so that an expert's ~146 rows read its weights once per column block: gate/up 1.92 /
     # 2.02 ms against 2.19 / 2.25 for the 128-row tile above, down level (1.22 / 1.21 against 1.18 / 1.23); the
     # pair 1.07x / 1.08x faster; torch._grouped_mm's pair still takes 0.89x / 0.91x of our time
