@@ -367,7 +367,7 @@ class Engine:
 
     # ---- offline driver -------------------------------------------------------------------------
     def run_until_done(self, request_ids: list[str], use_tqdm: bool = False) -> dict:
-        from k3core.llm import CompletionOutput
+        from k3core.outputs import CompletionOutput
         progress = None
         if use_tqdm:
             from tqdm import tqdm

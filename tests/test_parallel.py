@@ -74,6 +74,30 @@ def test_plan_matches_single_process(reference, name):
     assert any(logits[0] is not None for _, logits, _ in results)
 
 
+def test_tp2_matches_single_process_on_the_trained_default():
+    """The trained k3-demo under tp=2 over gloo: the same greedy tokens as one process, logits within the plan
+    tolerance (a random model would not notice a rank computing a wrong shard of a trained layer)."""
+    single = LLM("k3-demo", backend="torch", device="cpu", dtype="float32", prefix_cache=False, **ENGINE)
+    ref_tokens, ref_logits = _generate_with_logits(single, DEMO_PROMPTS, max_tokens=6)
+    for rank, (tokens, logits, bytes_in_use) in enumerate(spawn(_demo_rank_main, PLANS["tp2"])):
+        assert tokens == ref_tokens, f"rank {rank} generated other tokens"
+        assert bytes_in_use == 0
+        for got, expected in zip(logits, ref_logits):
+            error = (got - expected).abs().max().item() / expected.abs().max().item()
+            assert error <= LOGIT_RTOL, f"rank {rank}: relative logit error {error:.2e}"
+
+
+DEMO_PROMPTS = [[763, 733, 758, 484, 32], [347, 5087, 808, 360, 876, 12, 99, 4000, 17]]
+
+
+def _demo_rank_main(rank: int, plan: ParallelPlan, device):
+    llm = LLM("k3-demo", backend="torch", device=str(device), dtype="float32", plan=plan, rank=rank,
+              prefix_cache=False, **ENGINE)
+    tokens, logits = _generate_with_logits(llm, DEMO_PROMPTS, max_tokens=6)
+    usage = llm.memory_usage()
+    return tokens, logits, usage.kda_bytes + usage.mla_bytes
+
+
 @pytest.fixture(scope="module")
 def kimi_linear_checkpoint(tmp_path_factory):
     """A random transformers Kimi-Linear checkpoint (no AttnRes, softplus gate, SiLU, no q_lora) and its
