@@ -155,7 +155,10 @@ class EngineThread:
         # sampled (not greedy) row with logprobs; the decode graphs were captured at start.
         budget = engine.chunked_prefill_tokens
         room = config.max_position_embeddings - 3
-        lengths = sorted({1, len(WARMUP_PROMPT), 17, min(budget + 5, room), min(2 * budget + 5, room)})
+        # kernels also pick tiles by size class (MoE rows, KDA state programs, MLA blocks): powers of 4 up to it
+        sizes = {1, len(WARMUP_PROMPT), 17, budget + 5, 2 * budget + 5}
+        sizes.update(4 ** k for k in range(3, 12) if 4 ** k < budget)
+        lengths = sorted({min(n, room) for n in sizes})
         params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=8, seed=0, logprobs=2,
                                  ignore_eos=True)]
