@@ -224,10 +224,9 @@ class Engine:
         N's tokens while the GPU runs N+1; the outputs are those of the plain loop, one step later."""
         if not self.overlap:
             return self._process(self._launch(None))
-        launched = self._launch(self._in_flight)
-        outputs = self._process(self._in_flight)
-        self._in_flight = launched
-        return outputs
+        previous = self._in_flight
+        self._in_flight = self._launch(previous)      # before reading `previous`: a failure there leaves no stale record
+        return self._process(previous)
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:
         """Schedule, build the batch, run the network and the sampler: device work only, no wait for the GPU.

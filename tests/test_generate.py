@@ -18,14 +18,16 @@ def tiny():
 
 
 def _record_step_logits(llm, monkeypatch):
+    """(tokens fed so far, logits) of every sample; the fed tokens are known once the generation is done (an
+    overlapped step may feed a token the host has not read yet), so `seen` holds their count until `resolve`."""
     seen = []
-    original = llm.engine._append_token
+    original = llm.engine._sample
 
-    def spy(request, token_id, logits):
-        seen.append((list(request.all_token_ids), logits.clone()))
-        return original(request, token_id, logits)
+    def spy(logits, requests):
+        seen.extend((request.num_tokens, logits[row].clone()) for row, request in enumerate(requests))
+        return original(logits, requests)
 
-    monkeypatch.setattr(llm.engine, "_append_token", spy)
+    monkeypatch.setattr(llm.engine, "_sample", spy)
     return seen
 
 
@@ -37,7 +39,8 @@ def test_every_step_matches_prompt_logits(tiny, monkeypatch, prompt_len):
     out = tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert len(out.token_ids) == 12
     assert len(seen) == 12
-    for tokens_so_far, step_logits in seen:
+    for count, step_logits in seen:
+        tokens_so_far = (prompt + out.token_ids)[:count]
         expected = tiny.prompt_logits(tokens_so_far)[-1]
         error = (step_logits - expected).abs().max().item() / expected.abs().max().item()
         assert error <= STEP_LOGIT_RTOL, f"step at {len(tokens_so_far)} tokens: relative error {error:.2e}"
