@@ -333,4 +333,5 @@ def test_empty_batches():
     assert route.weights.shape == (0, 2)
     assert moe_experts(torch.zeros(0, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3), route.weights,
                        route.expert_ids, "silu", None, None).shape == (0, 4)
-    assert sample(torch.zeros(0, 5), *(torch.zeros(0),) * 4, []).shape == (0,)
+    none64 = torch.zeros(0, dtype=torch.int64)
+    assert sample(torch.zeros(0, 5), *(torch.zeros(0),) * 4, none64, none64, 0).shape == (0,)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from k3core import LLM, SamplingParams
-from k3core.serve.args import ServerArgs, parse_args
+from k3core.serve.args import DEFAULT_MODEL, ServerArgs, parse_args
 from k3core.serve.launch import build_server
 from k3core.serve.metrics import metric_sum, parse_metrics
 
@@ -106,7 +106,7 @@ def test_flags_override_yaml(tmp_path):
                       "checkpoint-interval: 64\n")
     args = parse_args(["--config", str(config), "--port", "31001", "--page-size", "16"])
     assert (args.port, args.memory_fraction, args.disable_prefix_cache, args.page_size) == (31001, 0.25, True, 16)
-    assert args.model == MODEL and args.host == "127.0.0.1"
+    assert args.model == DEFAULT_MODEL and args.host == "127.0.0.1"
     config.write_text("no-such-flag: 1\n")
     with pytest.raises(SystemExit):
         parse_args(["--config", str(config)])
@@ -118,7 +118,7 @@ def test_health_is_503_until_the_engine_is_warm():
     from k3core.serve.app import create_app
     from k3core.serve.engine_thread import EngineThread
     from k3core.serve.metrics import ServerMetrics
-    args = ServerArgs()
+    args = ServerArgs(model=MODEL)
     metrics_ = ServerMetrics(args.model_name)
     cold = EngineThread(lambda: None, metrics_)             # never started: stays cold
     with TestClient(create_app(args, cold, metrics_)) as http:
