@@ -181,7 +181,8 @@ def test_server_starts_its_own_ranks_and_matches_one_process(tmp_path, nodes):
     from k3core.parallel.launch import free_port
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    common = [sys.executable, "-m", "k3core.serve", "--tp", "2", "--memory-bytes", str(64 << 20), "--cpu-threads", "1"]
+    common = [sys.executable, "-m", "k3core.serve", "--model", "k3-tiny", "--tp", "2", "--memory-bytes", str(64 << 20),
+              "--cpu-threads", "1"]
     if nodes == "torchrun":
         common[1:3] = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                        "-m", "k3core.serve"]

@@ -103,7 +103,10 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
 
     Every table is built on the host and reaches the device in two non-blocking copies (int64 and int32), so
     building a batch never waits for the GPU."""
-    is_decode = bool(work) and all(len(w.new_token_ids) == 1 and w.prefix_len > 0 for w in work)
+    # one token per sequence on a prefix is a decode step, unless a snapshot (a pipeline micro-batch of a prefill
+    # chunk can be one token per sequence too): the prefill ops take the snapshots
+    is_decode = bool(work) and all(len(w.new_token_ids) == 1 and w.prefix_len > 0 and not w.snapshots
+                                   for w in work)
     logical = page_size * dcp_size
     tokens: list[int] = []
     cu, cu_k = [0], [0]
@@ -158,8 +161,6 @@ def build_forward_batch(work: Sequence[SeqWork], page_size: int, device: torch.d
                 snap_num.append(n)
                 snap_slot.append(slot)
             num_marks += 1
-    if any(snap_lengths) and is_decode:
-        raise ValueError("snapshots are taken in prefill steps only")
 
     def cat(parts):
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)

@@ -36,6 +36,8 @@ from k3core.serve.metrics import EngineSnapshot, ServerMetrics
 log = logging.getLogger("k3core.serve")
 
 POLL_MS = 100                 # how often the receiver checks that the engine process is alive
+PARENT_POLL_S = 0.2           # how often the engine process checks that the server process is alive
+ORPHAN_GRACE_S = 10.0         # how long an orphaned engine may take to stop cleanly before it exits anyway
 
 
 # ---- messages ---------------------------------------------------------------------------------------------------
@@ -169,8 +171,19 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
                                                   info.page_size, info.slot_bytes, info.page_bytes,
                                                   info.capacity_bytes, info.prefix_cache), engine.error))
 
+    def watch_parent(parent: int) -> None:
+        """The server may die without sending Stop (uvicorn re-raises SIGTERM after its shutdown): then stop the
+        loop as Stop would (under a plan that releases the follower ranks), and leave in any case."""
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        log.warning("the server process is gone: stopping the engine")
+        engine._stop.set()
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(1)
+
     threading.Thread(target=report_ready, name="k3core-engine-ready", daemon=True).start()
     threading.Thread(target=read_commands, name="k3core-engine-commands", daemon=True).start()
+    threading.Thread(target=watch_parent, args=(os.getppid(),), name="k3core-engine-parent", daemon=True).start()
     engine._run()                           # returns once Stop arrives (or start-up failed)
     if engine.error is not None:
         time.sleep(0.2)                     # let Ready(error) leave before the sockets close
