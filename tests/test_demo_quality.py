@@ -78,3 +78,12 @@ def test_held_out_logprobs_equal_with_the_cache_on_and_off(prompts):
     logits = warm_llm.prompt_logits(held).double()
     loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(held[1:])).item()
     assert abs(loss - GOLDEN["heldout_loss"]) < 1e-3
+
+
+def test_the_triton_backend_continues_like_the_golden():
+    """The cuda backend's Triton kernels (interpreted here, float32) on the trained model: the golden tokens."""
+    llm = LLM("k3-demo", backend="cuda", device="cpu", dtype="float32", page_size=4, checkpoint_interval=8,
+              chunked_prefill_tokens=16)
+    assert llm.ops.backend == "cuda"
+    out = llm.generate([GOLDEN["prompt_token_ids"]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert out[0].token_ids == GOLDEN["greedy_token_ids"][:3]
