@@ -20,17 +20,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-# The eight alternatives of the Kimi split regex, in order (K3_CHAT_FORMAT.md section 2).
-KIMI_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+from k3core.tokenizer import KIMI_PAT_STR
+
 NUM_RESERVED_SPECIAL_TOKENS = 256
 # Offsets from the first special id, as K3 numbers them (163584 + offset).
 NAMED_SPECIAL_OFFSETS = {

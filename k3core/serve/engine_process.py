@@ -16,6 +16,7 @@ follower ranks run as before.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -60,20 +61,8 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-class Info(msgspec.Struct):
-    """ModelInfo without the tokenizer (the server loads its own copy of the same files)."""
-    context_length: int
-    vocab_size: int
-    is_random: bool
-    page_size: int
-    slot_bytes: int
-    page_bytes: int
-    capacity_bytes: int
-    prefix_cache: bool
-
-
 class Ready(msgspec.Struct, tag=True):
-    info: Info | None
+    info: dict[str, int | bool] | None      # ModelInfo's fields but the tokenizer (the server loads its own copy)
     error: str | None
 
 
@@ -167,9 +156,9 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
     def report_ready() -> None:
         engine.ready.wait()
         info = engine.info
-        send(Ready(None if info is None else Info(info.context_length, info.vocab_size, info.is_random,
-                                                  info.page_size, info.slot_bytes, info.page_bytes,
-                                                  info.capacity_bytes, info.prefix_cache), engine.error))
+        facts = None if info is None else {f.name: getattr(info, f.name) for f in dataclasses.fields(info)
+                                           if f.name != "tokenizer"}
+        send(Ready(facts, engine.error))
 
     def watch_parent(parent: int) -> None:
         """The server may die without sending Stop (uvicorn re-raises SIGTERM after its shutdown): then stop the
@@ -319,9 +308,7 @@ class EngineProcess:
             except Exception as exc:  # noqa: BLE001 (reported as the start-up error)
                 message = Ready(None, f"the server could not load the tokenizer ({type(exc).__name__}: {exc})")
             else:
-                i = message.info
-                self.info = ModelInfo(tokenizer, i.context_length, i.vocab_size, i.is_random, i.page_size,
-                                      i.slot_bytes, i.page_bytes, i.capacity_bytes, i.prefix_cache)
+                self.info = ModelInfo(tokenizer=tokenizer, **message.info)
         self.error = message.error
         self.metrics.ready = self.error is None
         self.ready.set()
