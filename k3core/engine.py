@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3core.mixed_step import run_split, split_mixed
 from k3core.model.batch import FutureTokens, SeqWork
 from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
 from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
@@ -41,6 +42,8 @@ class EngineOptions:
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)   # one graph per size; larger batches: eager
     graph_max_context: int = 32768           # longest context a replayed step holds; longer: eager (every row's
                                              # page table is this wide, and MLA decode splits that width)
+    split_mixed_steps: bool = True           # with graphs: a step of prefill chunks and decodes replays the decodes
+                                             # from their graph beside an eager forward of the chunks (mixed_step.py)
 
     def __post_init__(self) -> None:
         def need(cond: bool, message: str) -> None:
@@ -288,6 +291,11 @@ class Engine:
     def _forward(self, work: list[SeqWork], future: FutureTokens | None) -> torch.Tensor | None:
         """Logits [R, V] of the rows that want them: replayed from a decode graph when the step fits one."""
         graph = self.graph_decode
+        if graph is not None and not graph.accepts(work) and self.options.split_mixed_steps:
+            split = split_mixed(work, graph, future)
+            if split is not None:
+                self.num_graph_steps += 1
+                return run_split(split, work, future, graph, self.runner, self.pool)
         if graph is None or not graph.accepts(work):
             return self.runner.forward(work, self.pool, future)
         self.num_graph_steps += 1

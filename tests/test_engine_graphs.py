@@ -115,6 +115,7 @@ class Recorder:
         engine._sample = recording_sample
         self.forward = recording_forward
         self.graph_work: list[list] = []
+        self.split_steps = 0
         if engine.graph_decode is not None:
             replay = engine.graph_decode.run
 
@@ -135,8 +136,11 @@ class Recorder:
                     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), request_id)
                 for request_id in aborts.get(step, []):
                     assert engine.abort(request_id)
+                replays, forwards = len(self.graph_work), len(self.eager_work)
                 for output in engine.step():
                     self.tokens[output.request_id].extend(output.new_token_ids)
+                if len(self.graph_work) > replays and len(self.eager_work) > forwards:
+                    self.split_steps += 1          # decodes replayed beside an eager forward of prefill chunks
                 engine.check_invariants()
                 step += 1
         finally:
@@ -189,8 +193,17 @@ def test_graphs_replay_decode_steps_and_match_eager(llm):
         assert len(work) > 4 or max(w.prefix_len + 1 for w in work) > graph.max_context
     assert any(len(w) > 4 for w in eager_decode)
     assert any(len(w) <= 4 for w in eager_decode)                     # "long" outgrew the graphs' 28 tokens
-    assert any(not _is_decode(w) for w in graphed.eager_work)         # prefill and mixed steps stayed eager
+    assert any(not _is_decode(w) for w in graphed.eager_work)         # prefill chunks stayed eager
+    assert graphed.split_steps > 0                 # steps of chunks and decodes replayed their decodes
+    for work in graphed.eager_work:                # and only what no graph takes ran eagerly beside them
+        if not _is_decode(work):
+            assert not any(graph.accepts([w]) for w in work) or len([w for w in work if graph.accepts([w])]) > 4
     assert graphed_engine.num_steps == eager.engine.num_steps
+
+    unsplit = Recorder(_engine(llm, StandIns(), split_mixed_steps=False, **options))
+    unsplit.run(arrivals, aborts)
+    _assert_same_results(unsplit, eager)
+    assert unsplit.split_steps == 0
 
 
 def test_prompt_tokens_fed_one_per_step_ride_in_the_graph(llm):

@@ -10,7 +10,12 @@ def test_serving_bench_smoke(tmp_path):
     status = serving.main(["--smoke", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "serving-smoke.json").read_text())
     assert status == 0, result["errors"]
-    assert set(result) >= {"ceiling", "engine_steps", "lone_prompt", "offline", "http", "ratios", "machine"}
+    assert set(result) >= {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline",
+                           "offline_steps", "http", "ratios", "machine"}
+    steps = result["offline_steps"]
+    for split in ("split_on", "split_off"):            # no graphs on the CPU: the split never applies there
+        assert sum(steps[split]["steps"].values()) > 0 and steps[split]["graph_steps"] == 0
+    assert result["mixed_steps"]["mixed_one_forward_ms"] > 0
     assert result["offline"]["output_tokens"] == 4 * 4
     assert result["http"]["streams_n"]["output_tokens_per_s"] > 0
     assert "offline output tok/s / ceiling" in result["ratios"]

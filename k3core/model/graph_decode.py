@@ -161,10 +161,11 @@ class GraphDecode:
 
     def accepts(self, work: Sequence[SeqWork]) -> bool:
         """Whether `run` can take this step: one token per sequence on a non-empty prefix, no more sequences than
-        the largest bucket, every context within `max_context`, and at most the last logits of each wanted."""
+        the largest bucket, every context within `max_context`, at most the last logits of each wanted, and no KDA
+        snapshot (a one-token prefill chunk may carry one; only the prefill ops write them)."""
         return (0 < len(work) <= self.buckets[-1]
                 and all(len(w.new_token_ids) == 1 and 0 < w.prefix_len < self.max_context and w.want_logits != "all"
-                        for w in work))
+                        and not w.snapshots for w in work))
 
     def pack(self, work: Sequence[SeqWork], num_rows: int) -> DecodeInputs:
         return pack_decode_inputs(work, num_rows, self.max_pages, self.page_size,

@@ -1,0 +1,136 @@
+"""Where a serving step's time goes: the cost of each kind of step and the GPU-busy share of the graph replay itself.
+
+Sections of `bench.serving` (each returns a dict of milliseconds and shares):
+* mixed_steps: one forward of a prefill chunk (`--chunk` tokens over two fresh sequences), of N-2 decode rows
+  (eager and graph-replayed) and of both together, each synchronised on its own; the split step the engine runs
+  (`k3core.mixed_step`) costs the chunk plus the replay;
+* replay_busy: torch.profiler's kernel time over wall time of back-to-back graph replays at BS=1 and BS=N: the
+  busy share no engine step can exceed, since the replayed graph's own gaps between kernels are inside it;
+* offline_steps: the offline workload's steps counted by kind (pure prefill, pure decode, mixed), with
+  split_mixed_steps on and off, and the duration of each run.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.model_bench import decode_work, fill_random, graph_runner_of, make_pool
+from k3core.model.batch import SeqWork
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms(device: torch.device, fn, iters: int) -> float:
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def mixed_steps(llm, args, device) -> dict:
+    from k3core.mixed_step import MixedSplit, run_split
+    from k3core.model.graph_decode import GraphDecode
+    rows = max(1, args.concurrency - 2)                    # decodes beside the chunk's two prompts
+    generator = torch.Generator(device=device).manual_seed(0)
+    pool, sequences = make_pool(llm.config, llm.dtype, device, rows + 2, args.input_len)
+    fill_random(pool, sequences, generator)
+    decodes = decode_work(pool, sequences[2:], args.input_len)                  # rows at --input-len context
+    half = max(1, min(args.chunk // 2, args.input_len))
+    vocab = llm.config.vocab_size
+    chunk = [SeqWork(torch.randint(3, min(vocab, 256), (half,)).tolist(), 0, pool.slot_position(slot), pages)
+             for slot, pages in sequences[:2]]                               # two fresh prompts of chunk/2 tokens
+    runner = llm.runner
+    iters = 2 if args.smoke else 10
+    out = {"chunk_tokens": 2 * half, "decode_rows": len(decodes), "context": args.input_len}
+    out["prefill_chunk_ms"] = _ms(device, lambda: runner.forward(chunk, pool), iters)
+    out["decode_eager_ms"] = _ms(device, lambda: runner.forward(decodes, pool), iters)
+    out["mixed_one_forward_ms"] = _ms(device, lambda: runner.forward(chunk + decodes, pool), iters)
+    if device.type == "cuda":
+        graph = GraphDecode(llm.network, pool, max_context=args.input_len + 1, buckets=[args.concurrency])
+        graph.capture(graph_runner_of(args.backend))
+        out["decode_graph_ms"] = _ms(device, lambda: graph.run(decodes), iters)
+        split = MixedSplit(list(range(2, 2 + len(decodes))), [0, 1])
+        out["mixed_split_ms"] = _ms(device, lambda: run_split(split, chunk + decodes, None, graph, runner, pool),
+                                    iters)
+        graph.close()
+    del pool
+    return out
+
+
+def replay_busy(llm, args, device) -> dict:
+    """Kernel-busy share of back-to-back graph replays (no engine, no host work between them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.serving import _union_us
+    from k3core.model.graph_decode import GraphDecode
+    if device.type != "cuda":
+        return {"note": "graphs need a GPU"}
+    out = {}
+    generator = torch.Generator(device=device).manual_seed(0)
+    for rows in sorted({1, args.concurrency}):
+        pool, sequences = make_pool(llm.config, llm.dtype, device, rows, args.input_len)
+        fill_random(pool, sequences, generator)
+        graph = GraphDecode(llm.network, pool, max_context=args.input_len + 1, buckets=[rows])
+        graph.capture(graph_runner_of(args.backend))
+        work = decode_work(pool, sequences, args.input_len)
+        graph.run(work)
+        replay = graph.runner.graphs[rows].graph.replay
+        wall_ms = _ms(device, replay, 20)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                replay()
+            _sync(device)
+            profiled_ms = (time.perf_counter() - start) * 1e3
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy_ms = _union_us([(e.time_range.start, e.time_range.end) for e in events]) / 1e3
+        out[f"bs{rows}"] = {"replay_ms": wall_ms, "profiled_replay_ms": profiled_ms / 20,
+                            "kernel_busy_ms": busy_ms / 20, "busy_share": busy_ms / profiled_ms,
+                            "busy_share_of_unprofiled": busy_ms / 20 / wall_ms, "num_kernels": len(events) // 20}
+        graph.close()
+        del pool
+    return out
+
+
+def offline_steps(llm, args, prompts: list[str]) -> dict:
+    """The offline workload with split_mixed_steps on and off: duration and steps by kind."""
+    from k3core.sampling_params import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    original = engine.scheduler.schedule
+    counts: dict[str, int] = {}
+
+    def counting_schedule():
+        chunks = original()
+        if chunks:
+            decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.request.num_computed_tokens > 0)
+            kind = "decode" if decodes == len(chunks) else "prefill" if decodes == 0 else "mixed"
+            counts[kind] = counts.get(kind, 0) + 1
+        return chunks
+
+    out = {}
+    engine.scheduler.schedule = counting_schedule
+    try:
+        for split in (True, False):
+            engine.options.split_mixed_steps = split
+            counts.clear()
+            llm.flush_cache()
+            graph_steps = engine.num_graph_steps
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            duration = time.perf_counter() - start
+            out["split_on" if split else "split_off"] = {
+                "duration_s": duration, "output_tok_s": sum(len(o.token_ids) for o in outs) / duration,
+                "steps": dict(counts), "graph_steps": engine.num_graph_steps - graph_steps}
+    finally:
+        engine.scheduler.schedule = original
+        engine.options.split_mixed_steps = True
+    return out
