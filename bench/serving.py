@@ -202,7 +202,10 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}; see serving-server.log")
+                log.flush()
+                tail = (out_dir / "serving-server.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the server exited with {server.returncode}; the end of serving-server.log:\n"
+                                   f"{tail}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -234,13 +237,20 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
                 raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
             out[name] = {k: summary[k] for k in ("duration_s", "output_tokens_per_s", "ttft", "itl", "tpot")}
     finally:
-        os.killpg(server.pid, 15)
+        _signal_group(server.pid, 15)             # the server and its engine process
         try:
             server.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
+            _signal_group(server.pid, 9)
         log.close()
     return out
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:                   # the whole group has exited already
+        pass
 
 
 async def _one(url: str, model: str, prompt: str, output_len: int):
