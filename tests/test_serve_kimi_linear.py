@@ -232,6 +232,9 @@ def test_the_prompt_is_the_template_rendered_independently(served, messages, too
     fields = {"tools": tools} if tools else {}
     expected = reference_ids(directory, messages, tools)
     assert _tokenize(base, messages, **fields) == expected
+    text = load_tokenizer(directory, load_config(str(directory))).decode(expected)
+    declared = "tool_declare" in text and '[{"type": "function", "function": {"name": "get_weather"' in text
+    assert declared == bool(tools)                                     # the template rendered the tools
     without = reference_ids(directory, messages, tools, add_generation_prompt=False)
     assert _tokenize(base, messages, add_generation_prompt=False, **fields) == without
     # the generation prompt is the three tokens <|im_assistant|> assistant <|im_middle|>
