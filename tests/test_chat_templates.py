@@ -1,6 +1,8 @@
 """Jinja chat templates from the checkpoint (Kimi-Linear's K2 format and others), rendered in a sandbox."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from k3core.chat import TemplateError, chat_format, render_messages
@@ -100,3 +102,22 @@ def test_sandbox_keeps_what_chat_templates_use():
                 "{{ ns.n }}{{ (tools or []) | length }}{{ messages[0].missing }}|{{ bos_token }}")
     assert render_template(template, [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}],
                            special_tokens={"bos_token": "[BOS]"}) == "usertool20|[BOS]"
+
+
+def test_a_request_silent_about_thinking_leaves_the_template_its_default(k2):
+    # Hugging Face passes no thinking variable unless the caller gives one; a template that thinks by default
+    # (`enable_thinking is defined and not enable_thinking` -> no thinking) must keep thinking then
+    from k3core.serve.chat import chat_prompt_ids
+    from k3core.serve.protocol import parse_chat
+    tokenizer, _ = k2
+    probe = copy.copy(tokenizer)
+    probe.chat_template = "{% if enable_thinking is defined %}{{ enable_thinking }}{% else %}unset{% endif %}"
+
+    def rendered(**fields) -> str:
+        request = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
+        return probe.decode(chat_prompt_ids(probe, request))
+
+    assert rendered() == "unset"
+    assert rendered(chat_template_kwargs={"enable_thinking": True}) == "True"
+    assert rendered(chat_template_kwargs={"enable_thinking": False}) == "False"
+    assert rendered(reasoning_effort="none") == "False"

@@ -47,6 +47,15 @@ def thinking_of(tokenizer: Any, req: ChatRequest) -> bool:
     return chat_format(tokenizer) == "xtml"
 
 
+def _render_thinking(tokenizer: Any, req: ChatRequest) -> bool:
+    """`thinking` for render_messages. A jinja template hears `thinking=False` / `enable_thinking=False` only when
+    the request turned thinking off; a request that says nothing leaves them undefined, as Hugging Face does, so
+    that a template whose default is to think (Qwen3's, say) keeps it."""
+    if chat_format(tokenizer) == "xtml":
+        return thinking_of(tokenizer, req)
+    return req.thinking is not False
+
+
 def _refuse_unexpressed(tokenizer: Any, req: ChatRequest) -> None:
     """A 400 naming the first field this model's chat format has no way to show the model."""
     kind = chat_format(tokenizer)
@@ -68,7 +77,7 @@ def chat_prompt_ids(tokenizer: Any, req: ChatRequest, add_generation_prompt: boo
     _refuse_unexpressed(tokenizer, req)
     try:
         return render_messages(tokenizer, [m.as_dict() for m in req.messages], tools=req.tools,
-                               thinking=thinking_of(tokenizer, req), thinking_effort=req.thinking_effort or "max",
+                               thinking=_render_thinking(tokenizer, req), thinking_effort=req.thinking_effort or "max",
                                tool_choice=req.tool_choice, response_format=req.response_format,
                                add_generation_prompt=add_generation_prompt, template_kwargs=req.template_kwargs)
     except (XtmlError, TemplateError) as exc:
