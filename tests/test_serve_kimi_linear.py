@@ -241,7 +241,7 @@ def test_the_prompt_is_the_template_rendered_independently(served, messages, too
     assert expected[:len(without)] == without and len(expected) == len(without) + 3
 
 
-def test_special_tokens_are_ids_and_user_text_spelling_them_is_not(served):
+def test_the_prompt_has_the_k2_specials_as_ids_and_no_bos(served):
     directory, base, _ = served
     tokenizer = load_tokenizer(directory, load_config(str(directory)))
     ids = _tokenize(base, CHAT)
