@@ -15,8 +15,9 @@
    (there is no text to give) and `encode` raises TokenizerError saying to pass token ids.
 
 `encode(text)` never turns text into special tokens; `encode_with_specials(text)` does (for rendered jinja chat
-templates and `POST /tokenize`). `decode` drops the tokens marked special, except XTML's three structure markers
-`<|open|>`, `<|close|>`, `<|sep|>`, which stay as text so that the chat output parsers can see them.
+templates and `POST /tokenize`). `decode` drops the tokens marked special, except the markers the chat output
+parsers read, which stay as text: XTML's three structure markers `<|open|>`, `<|close|>`, `<|sep|>` and the five
+K2-style tool-call markers (`<|tool_calls_section_begin|>` ... `<|tool_call_end|>`) of Kimi-Linear.
 
 Chat formatting lives in `k3core.chat`: K3's XTML for `kimi_k3` models, the checkpoint's jinja template (sandboxed)
 when it ships one, else the documented plain template
@@ -33,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from k3core.chat.k2_parsers import K2_TOOL_MARKERS
 from k3core.chat.plain import plain_chat_text  # re-exported: the plain template (k3core.chat.plain)
 from k3core.config import ModelConfig
 
@@ -41,6 +43,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 TIKTOKEN_FILE = "tiktoken.model"
 NUM_RESERVED_SPECIAL_TOKENS = 256           # the Kimi tokenizer's special ids follow its ranks
 XTML_STRUCTURE_MARKERS = ("<|open|>", "<|close|>", "<|sep|>")
+KEPT_MARKERS = XTML_STRUCTURE_MARKERS + K2_TOOL_MARKERS                    # decoded as text even when special
 
 # The Kimi split regex (pat_str): the eight alternatives in order. tiktoken's regex engine reads the `&&` class
 # intersections.
@@ -294,7 +297,7 @@ class TiktokenTokenizer(_FileTokenizer):
 
     Ids 0..num_ranks-1 are the ranks file's tokens; the next 256 are specials named by `added_tokens_decoder`.
     `decode` drops a special whose entry says `"special": true` (and every unnamed reserved one) and keeps the rest,
-    the XTML structure markers always, as their spelling."""
+    the chat parsers' markers (`KEPT_MARKERS`) always, as their spelling."""
 
     def __init__(self, directory: Path, config: ModelConfig) -> None:
         import tiktoken
@@ -317,7 +320,7 @@ class TiktokenTokenizer(_FileTokenizer):
                 continue
             names[token_id] = name
             special = entry.get("special", True) if isinstance(entry, dict) else True
-            (hidden.add if special and name not in XTML_STRUCTURE_MARKERS else hidden.discard)(token_id)
+            (hidden.add if special and name not in KEPT_MARKERS else hidden.discard)(token_id)
         self._names = names
         self._hidden = hidden
         self._special_ids = {name: token_id for token_id, name in names.items()}

@@ -1,6 +1,8 @@
 """Jinja chat templates from the checkpoint (Kimi-Linear's K2 format and others), rendered in a sandbox."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from k3core.chat import TemplateError, chat_format, render_messages
@@ -68,3 +70,54 @@ def test_chat_template_kwargs_reach_the_template():
     template = "{% if enable_thinking %}T{% else %}F{% endif %}{{ messages[0]['content'] }}"
     assert render_template(template, [{"role": "user", "content": "x"}], enable_thinking=True) == "Tx"
     assert render_template(template, [{"role": "user", "content": "x"}]) == "Fx"
+
+
+HOSTILE_TEMPLATES = {
+    # Python internals reached from data, from jinja's own globals, and through str.format's field lookup
+    "{{ ''.__class__.__mro__ }}": "sandbox forbids .*'__class__'",
+    "{{ cycler.__init__.__globals__ }}": "sandbox forbids .*'__init__'",
+    "{{ lipsum.__globals__ }}": "sandbox forbids .*'__globals__'",
+    "{{ raise_exception.__globals__ }}": "sandbox forbids .*'__globals__'",
+    "{{ messages.__class__ }}": "sandbox forbids .*'__class__'",
+    "{{ messages[0] | attr('__class__') }}": "sandbox forbids .*'__class__'",
+    "{{ '{0.__class__}'.format(messages) }}": "sandbox forbids .*'__class__'",
+    # other files: refused when the template is compiled, before anything renders
+    "{% include '/etc/passwd' %}": "uses `include` \\(line 1\\)",
+    "{% import '/etc/passwd' as secrets %}{{ secrets }}": "uses `import`",
+    "{% from '/etc/passwd' import root %}": "uses `from-import`",
+    "{% extends '/etc/passwd' %}": "uses `extends`",
+}
+
+
+@pytest.mark.parametrize("source", list(HOSTILE_TEMPLATES))
+def test_hostile_templates_are_refused_not_rendered(source):
+    # stock jinja2 sandboxes render an unsafe attribute as an empty string; k3core's refuses the render instead
+    with pytest.raises(TemplateError, match=HOSTILE_TEMPLATES[source]):
+        render_template("ok {{ messages[0]['content'] }} " + source, [{"role": "user", "content": "x"}])
+
+
+def test_sandbox_keeps_what_chat_templates_use():
+    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+                "{% if m.tool_calls is defined %}!{% endif %}{{ m.get('name', m['role']) }}{% endfor %}"
+                "{{ ns.n }}{{ (tools or []) | length }}{{ messages[0].missing }}|{{ bos_token }}")
+    assert render_template(template, [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}],
+                           special_tokens={"bos_token": "[BOS]"}) == "usertool20|[BOS]"
+
+
+def test_a_request_silent_about_thinking_leaves_the_template_its_default(k2):
+    # Hugging Face passes no thinking variable unless the caller gives one; a template that thinks by default
+    # (`enable_thinking is defined and not enable_thinking` -> no thinking) must keep thinking then
+    from k3core.serve.chat import chat_prompt_ids
+    from k3core.serve.protocol import parse_chat
+    tokenizer, _ = k2
+    probe = copy.copy(tokenizer)
+    probe.chat_template = "{% if enable_thinking is defined %}{{ enable_thinking }}{% else %}unset{% endif %}"
+
+    def rendered(**fields) -> str:
+        request = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **fields})
+        return probe.decode(chat_prompt_ids(probe, request))
+
+    assert rendered() == "unset"
+    assert rendered(chat_template_kwargs={"enable_thinking": True}) == "True"
+    assert rendered(chat_template_kwargs={"enable_thinking": False}) == "False"
+    assert rendered(reasoning_effort="none") == "False"

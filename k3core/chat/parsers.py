@@ -46,6 +46,7 @@ class ToolCall:
     name: str
     arguments: str          # a JSON object as text (json.dumps of the decoded arguments)
     index: int              # 0-based position among this output's calls
+    id: str | None = None   # the id the model gave the call (K2's `functions.NAME:IDX`); None: the server makes one
 
 
 @dataclass
@@ -98,7 +99,7 @@ def parse_call_arguments(body: str) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
+def held_suffix_length(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
     for length in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
         if any(m.startswith(text[-length:]) for m in markers):
@@ -159,7 +160,7 @@ class K3OutputParser:
             self._emit(delta, self.buffer[:index])
             self.buffer = self.buffer[index + len(marker):]
             return marker
-        keep = 0 if final else _held(self.buffer, ends)
+        keep = 0 if final else held_suffix_length(self.buffer, ends)
         self._emit(delta, self.buffer[:len(self.buffer) - keep])
         self.buffer = self.buffer[len(self.buffer) - keep:]
         return None

@@ -1,10 +1,14 @@
 """A checkpoint's jinja chat template, rendered in a sandbox.
 
-Templates come from the checkpoint directory, so they are untrusted: they render in jinja2's
-`ImmutableSandboxedEnvironment`, which refuses attribute access to Python internals and any mutation of the data
-passed in, and has no loader (a template cannot include or import files). The environment offers what Hugging Face
-chat templates expect: `trim_blocks` / `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps
-non-ASCII, `raise_exception(message)` and `strftime_now(format)`.
+Templates come from the checkpoint directory, so they are untrusted. They render in a subclass of jinja2's
+`ImmutableSandboxedEnvironment`, which refuses any mutation of the data passed in; on top of it:
+* reading an attribute the sandbox deems unsafe (`__class__`, `__globals__`, `__init__`, ...) fails the render at
+  once (stock jinja2 hands back an undefined value that prints as nothing, so a probing template would render);
+* `include`, `import`, `from ... import` and `extends` are refused when the template is compiled: there is no
+  loader, and a template may not name other files.
+The environment offers what Hugging Face chat templates expect: `trim_blocks` / `lstrip_blocks`, the
+`loopcontrols` extension, a `tojson` filter that keeps non-ASCII, `raise_exception(message)` and
+`strftime_now(format)`.
 """
 from __future__ import annotations
 
@@ -27,22 +31,39 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@lru_cache(maxsize=8)
-def compile_template(source: str):
-    """The compiled template (cached: a server renders the same template for every request)."""
-    from jinja2 import TemplateSyntaxError
+def _environment():
+    from jinja2.exceptions import SecurityError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class StrictSandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj: Any, attribute: str):
+            raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    environment = StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return environment
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str):
+    """The compiled template (cached: a server renders the same template for every request)."""
+    from jinja2 import TemplateSyntaxError, nodes
+
+    environment = _environment()
     try:
-        return environment.from_string(source)
+        tree = environment.parse(source)
     except TemplateSyntaxError as exc:
         raise TemplateError(f"the model's chat template is not valid jinja (line {exc.lineno}: {exc.message})") \
             from None
+    for node in tree.find_all((nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
+        kind = type(node).__name__.lower().replace("fromimport", "from-import")
+        raise TemplateError(f"the model's chat template uses `{kind}` (line {node.lineno}), which reads another "
+                            "template file; k3core renders a checkpoint's template on its own, so inline that file "
+                            "into the template")
+    return environment.from_string(tree)
 
 
 def render_template(source: str, messages: Sequence[dict[str, Any]], tools: Sequence[Any] | None = None,

@@ -22,11 +22,14 @@ K3_SPECIAL_OFFSETS = {
     18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
     254: "[UNK]", 255: "[PAD]",
 }
-# K2-family (Kimi-Linear) names for test vocabularies: `<|im_end|>` at +2 as released; the other offsets are
-# this writer's choice, not the release's.
+# K2-family (Kimi-Linear) names at the K2 tokenizer's offsets (163584 + offset), as a public port of the K2
+# special-token table gives them: chat roles 2-4, 10 and 17, the tool-call markers 11-15. Not checked against
+# Kimi-Linear's own tokenizer_config.json (../shared/K3_CHAT_FORMAT.md says the two share the tokenizer).
 K2_SPECIAL_OFFSETS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
                       6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
-                      15: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]"}
+                      11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
+                      14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>",
+                      254: "[UNK]", 255: "[PAD]"}
 NOT_SPECIAL = ("<|open|>", "<|close|>", "<|sep|>")
 
 
