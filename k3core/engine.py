@@ -330,7 +330,8 @@ class Engine:
             request.output_logprobs.append(logprobs)
             new_logprobs = [logprobs]
         output_text = self.output_texts[request.request_id]
-        new_text = output_text.push([token_id])
+        num_output = len(request.output_token_ids) - request.num_unresolved       # this token included
+        new_text = output_text.push([token_id], may_stop=num_output >= request.params.min_tokens)
         reason = self._finish_reason(request, token_id, output_text)
         if reason is not None:
             new_text += self._close_text(request)

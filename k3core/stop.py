@@ -107,23 +107,28 @@ class StopMatcher:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.pending = ""
+        self.early = 0                       # characters of `pending` produced before min_tokens was reached
         self.stop_str: str | None = None     # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
         return self.stop_str is not None
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, may_stop: bool = True) -> str:
+        """`may_stop` False (a request short of its min_tokens): no stop string ends in this text; one that starts
+        in it and completes later still stops the output, as in vLLM."""
         if self.stopped:
             return ""
         buffer = self.pending + text
-        hits = [(index, len(s), s) for s in self.stop if (index := buffer.find(s)) >= 0]
+        early = len(buffer) if not may_stop else self.early      # a hit must end past the first `early` characters
+        hits = [(index, len(s), s) for s in self.stop if (index := buffer.find(s, max(0, early - len(s) + 1))) >= 0]
         if hits:
             index, length, self.stop_str = min(hits)
             self.pending = ""
             return buffer[:index + length if self.include_stop else index]
         held = self._held_len(buffer)
         self.pending = buffer[len(buffer) - held:]
+        self.early = held if not may_stop else 0     # held text from before min_tokens: no stop may end in it
         return buffer[:len(buffer) - held]
 
     def finish(self) -> str:
@@ -134,7 +139,7 @@ class StopMatcher:
     def _held_len(self, buffer: str) -> int:
         for length in range(min(len(buffer), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
             suffix = buffer[len(buffer) - length:]
-            if any(s.startswith(suffix) for s in self.stop):
+            if any(s.startswith(suffix) and len(s) > length for s in self.stop):   # could still complete
                 return length
         return 0
 
@@ -160,10 +165,10 @@ class OutputText:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    def push(self, token_ids: Sequence[int]) -> str:
+    def push(self, token_ids: Sequence[int], may_stop: bool = True) -> str:
         if self.stopped or self._finished:
             return ""
-        return self._hand_out(self.matcher.push(self.detokenizer.push(token_ids)))
+        return self._hand_out(self.matcher.push(self.detokenizer.push(token_ids), may_stop))
 
     def finish(self) -> str:
         if self.stopped or self._finished:

@@ -325,3 +325,34 @@ def test_engine_abort_keeps_the_held_back_text(tiny):
     assert engine.requests.pop(request_id) is request
     assert request.text == tokenizer.decode(request.output_token_ids) == full.text
     assert full.text.startswith("".join(deltas)) and request_id not in engine.output_texts
+
+
+def test_stop_matcher_ignores_stops_that_end_before_min_tokens():
+    matcher = StopMatcher(["ab", "xyz"])
+    assert matcher.push("ab", may_stop=False) == "ab"           # complete, but too early: handed out
+    assert matcher.push("x", may_stop=False) == ""              # the start of "xyz" is held back as usual
+    assert matcher.push("yz", may_stop=True) == "" and matcher.stop_str == "xyz"   # completed in time: it stops
+    late = StopMatcher(["ab"])
+    assert late.push("cab", may_stop=False) == "cab" and late.push("ab") == "" and late.stopped
+
+
+def test_engine_min_tokens_holds_stop_strings_back(tiny):
+    """A stop string completed within the first min_tokens tokens does not end the output (vLLM's rule); the first
+    one completed after does."""
+    tokenizer = tiny.tokenizer
+    for seed in range(64):
+        prompt = [(seed * 37 + 11 * j) % 256 for j in range(4)]
+        full = tiny.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+        first = tokenizer.decode(full.token_ids[:1])
+        if first and REPLACEMENT not in first and first in tokenizer.decode(full.token_ids[6:]):
+            break
+    else:
+        pytest.skip("no greedy continuation repeats its first character later")
+    stop = [first]
+    early = tiny.generate([prompt], SamplingParams(max_tokens=12, stop=stop, **GREEDY))[0]
+    assert early.token_ids == full.token_ids[:1] and early.finish_reason == "stop"
+    held = tiny.generate([prompt], SamplingParams(max_tokens=12, stop=stop, min_tokens=6, **GREEDY))[0]
+    num, expected = next((n, tokenizer.decode(full.token_ids[:n])) for n in range(6, 13)
+                         if first in tokenizer.decode(full.token_ids[:n])[len(tokenizer.decode(full.token_ids[:5])):])
+    assert held.finish_reason == "stop" and held.token_ids == full.token_ids[:num]
+    assert held.text == expected[:expected.rindex(first)]
