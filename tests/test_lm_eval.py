@@ -16,6 +16,7 @@ import logging
 import math
 
 import httpx
+import lm_eval
 import pytest
 import torch
 
@@ -23,8 +24,6 @@ from k3core import LLM, SamplingParams
 from k3core.serve.args import ServerArgs
 from k3core.serve.metrics import metric_sum, parse_metrics
 from tests.server_helpers import DEMO_ENGINE, running_server
-
-lm_eval = pytest.importorskip("lm_eval")
 
 MODEL = "k3-demo"
 MAX_GEN_TOKS = 16

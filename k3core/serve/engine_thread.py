@@ -87,8 +87,9 @@ class _Tracked:
     scheduled_time: float | None = None     # start of the first step that scheduled it (ends its queue time)
     num_generated: int = 0
 
-    def finish_metrics(self, now: float, finish_reason: str) -> tuple:
-        """observe_finish's arguments; a request never scheduled waited all its life."""
+    def finish_metrics(self, now: float, finish_reason: str) -> tuple[float, str, float, int, int]:
+        """observe_finish's arguments (e2e, reason, queue time, prompt and generated tokens); a request never
+        scheduled waited all its life."""
         queued = (self.scheduled_time if self.scheduled_time is not None else now) - self.arrival
         return now - self.arrival, finish_reason, queued, self.num_prompt_tokens, self.num_generated
 
