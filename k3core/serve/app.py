@@ -22,10 +22,11 @@ from k3core.sampling_params import SamplingParams
 from k3core.chat import chat_format
 from k3core.serve import chat as chat_module
 from k3core.serve import responses
+from k3core.serve.access_log import AccessLogMiddleware, note_error, note_usage
 from k3core.serve.args import ServerArgs
 from k3core.serve.engine_thread import EngineThread, ModelInfo
 from k3core.serve.generation import Generation
-from k3core.serve.metrics import ServerMetrics
+from k3core.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from k3core.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, parse_chat, \
     parse_completion
 
@@ -38,19 +39,24 @@ def error_response(error: APIError) -> JSONResponse:
 
 def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="k3core", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(AccessLogMiddleware, log_requests=not args.disable_log_requests)
     generations: dict[str, Generation] = {}        # request id -> its live generation, for /abort_request
     sampling_defaults = chat_module.generation_defaults(args.model)     # generation_config.json: temperature, top_p, top_k
+    started = int(time.time())                     # the model cards' `created`
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        note_error(request, exc.message)
         return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
                         f"/v1/chat/completions", 405: f"method {request.method} is not allowed on {request.url.path}"}
-        return error_response(APIError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code,
-                                       type="invalid_request_error"))
+        error = APIError(message.get(exc.status_code, str(exc.detail)), status=exc.status_code,
+                         type="invalid_request_error")
+        note_error(request, error.message)
+        return error_response(error)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -212,11 +218,13 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
                          include_usage=req.include_usage, parser_factory=parser_factory)
         notes = unenforced_headers(req)
+        note_usage(request, gen.usage)
         if req.stream:
             return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **notes})
         gen.start(arrived)
         if not await collect(gen, request):
+            note_error(request, "the client disconnected before the response; its request was aborted")
             return Response(status_code=499)        # the client left; nobody reads this
         return JSONResponse(responses.chat_body(gen, args.model_name) if chat
                             else responses.completion_body(gen, args.model_name), headers=notes)
@@ -304,14 +312,24 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
     async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        authorize(request)
-        card: dict[str, Any] = {"id": args.model_name, "object": "model", "created": int(time.time()),
+    def model_card() -> dict[str, Any]:
+        """The OpenAI model object, plus vLLM's max_model_len once the engine knows it."""
+        card: dict[str, Any] = {"id": args.model_name, "object": "model", "created": started,
                                 "owned_by": "k3core"}
         if engine.info is not None:
             card["max_model_len"] = engine.info.context_length
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+        authorize(request)
+        check_model(model_id)
+        return JSONResponse(model_card())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -320,7 +338,7 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
 
     @app.get("/metrics")
     async def metrics_route() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:

@@ -30,6 +30,7 @@ class ServerArgs:
     default_max_tokens: int = 32768          # chat requests without max_tokens: min(this, room left in context)
     max_body_bytes: int = 32 << 20           # larger request bodies get 413
     log_level: str = "info"
+    disable_log_requests: bool = False       # no access-log line per request (error lines stay)
     # engine options (k3core.engine.EngineOptions)
     memory_fraction: float = 0.5
     memory_bytes: int | None = None
@@ -109,7 +110,9 @@ _HELP = {
     "default_max_tokens": "cap on max_tokens of a chat request that gives none, which otherwise gets all the room "
                           "left in the context and the pool (a thinking model needs room to think before answering)",
     "max_body_bytes": "largest accepted request body in bytes (larger: 413)",
-    "log_level": "uvicorn log level: critical | error | warning | info | debug",
+    "log_level": "log level of the server and uvicorn: critical | error | warning | info | debug",
+    "disable_log_requests": "do not write the access-log line of every request (logger k3core.serve.access); the "
+                            "line with the reason of every 4xx/5xx response stays",
     "memory_fraction": "pool size as a fraction of free device memory (CPU: of 1 GiB)",
     "memory_bytes": "pool size in bytes (overrides --memory-fraction)",
     "max_running_requests": "most requests decoding at once",

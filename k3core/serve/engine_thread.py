@@ -84,6 +84,14 @@ class _Tracked:
     num_prompt_tokens: int
     last_token_time: float | None = None
     num_text_chars: int = 0                 # characters of text already sent to the sink
+    scheduled_time: float | None = None     # start of the first step that scheduled it (ends its queue time)
+    num_generated: int = 0
+
+    def finish_metrics(self, now: float, finish_reason: str) -> tuple[float, str, float, int, int]:
+        """observe_finish's arguments (e2e, reason, queue time, prompt and generated tokens); a request never
+        scheduled waited all its life."""
+        queued = (self.scheduled_time if self.scheduled_time is not None else now) - self.arrival
+        return now - self.arrival, finish_reason, queued, self.num_prompt_tokens, self.num_generated
 
 
 class EngineThread:
@@ -217,11 +225,12 @@ class EngineThread:
         self.engine.abort(request_id)
         request = self.engine.requests.pop(request_id, None)
         rest = request.text[tracked.num_text_chars:] if request is not None else ""   # text held back until now
-        self.metrics.observe_finish(time.monotonic() - tracked.arrival, "abort")
+        self.metrics.observe_finish(*tracked.finish_metrics(time.monotonic(), "abort"))
         tracked.sink(EngineEvent([], [], True, "abort", new_text=rest))
 
     def _step(self) -> None:
         steps_before = self.engine.num_steps
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:    # keep serving: fail the requests of this batch, free their memory
@@ -234,6 +243,10 @@ class EngineThread:
                 tracked.sink(EngineEvent([], [], True, "error", error=message))
             return
         now = time.monotonic()
+        for request in self.engine.scheduler.running:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is not None and tracked.scheduled_time is None:
+                tracked.scheduled_time = started
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
@@ -246,10 +259,13 @@ class EngineThread:
                 self.metrics.observe_tokens(len(output.new_token_ids), now - tracked.last_token_time)
             tracked.last_token_time = now
             tracked.num_text_chars += len(output.new_text)
+            tracked.num_generated += len(output.new_token_ids)
+            if tracked.scheduled_time is None:             # scheduled and finished within this step
+                tracked.scheduled_time = started
             if output.finished:
                 self._tracked.pop(output.request_id)
                 self.engine.requests.pop(output.request_id, None)
-                self.metrics.observe_finish(now - tracked.arrival, output.finish_reason or "stop")
+                self.metrics.observe_finish(*tracked.finish_metrics(now, output.finish_reason or "stop"))
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
                                      output.finish_reason, request.num_cached_tokens, new_text=output.new_text))
         if self.engine.num_steps == steps_before:
@@ -258,13 +274,16 @@ class EngineThread:
     def _publish(self) -> None:
         engine = self.engine
         usage = engine.memory_usage()
-        queried = hit = 0
+        queried = hit = cache_bytes = 0
         if engine.cache is not None:
             stats = engine.cache.stats
             queried, hit = stats.queried_tokens - self._stats_base[0], stats.hit_tokens - self._stats_base[1]
+            layout = engine.pool.layout
+            cache_bytes = (engine.cache.num_cached_slots * layout.slot_bytes
+                           + engine.cache.num_cached_pages * layout.page_bytes)
         self.metrics.publish(EngineSnapshot(
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
             kda_bytes=usage.kda_bytes, mla_bytes=usage.mla_bytes, free_bytes=usage.free_bytes,
             capacity_bytes=usage.capacity_bytes, num_slots=usage.num_slots, num_pages=usage.num_pages,
             prefix_cache=engine.cache is not None, cache_queried_tokens=queried, cache_hit_tokens=hit,
-            num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps))
+            num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps, cache_bytes=cache_bytes))

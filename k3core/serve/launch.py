@@ -75,7 +75,7 @@ class Server:
 
 
 def build_server(args: ServerArgs) -> Server:
-    metrics = ServerMetrics(args.model_name)
+    metrics = ServerMetrics(args.model_name, max_model_len=args.context_length)
     build = functools.partial(_build_llm, args)            # picklable: it may run in the engine process
     if args.plan().world_size > 1:
         from k3core.parallel.launch import torchrun_rank
@@ -100,6 +100,7 @@ def build_server(args: ServerArgs) -> Server:
         engine = EngineProcess(build, metrics, functools.partial(_load_tokenizer, args.model),
                                context_length=args.context_length)
     app = create_app(args, engine, metrics)
+    # uvicorn's own access log stays off: k3core.serve.access writes one line per request, with tokens
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=2, access_log=args.log_level == "debug")
+                            timeout_graceful_shutdown=2, access_log=False)
     return Server(args, engine, metrics, uvicorn.Server(config))
