@@ -359,3 +359,16 @@ class _Reader:
             return shape
         size = sum(len(range(*index[dim].indices(shape[dim]))) for index in indices)
         return shape[:dim] + (size,) + shape[dim + 1:]
+
+
+def check_checkpoint(path: str | Path, config: ModelConfig) -> None:
+    """Every check `load_checkpoint` makes before reading data (files, headers, shapes, dtypes), reading no data:
+    a server refuses a bad directory with this before it starts."""
+    files: list[SafetensorsFile] = []
+    try:
+        for file in checkpoint_files(path):
+            files.append(SafetensorsFile(file))
+        inventory(Path(path), files, config)
+    finally:
+        for file in files:
+            file.close()
