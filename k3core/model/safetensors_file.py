@@ -145,7 +145,7 @@ class SafetensorsFile:
                     self._pread_into(out[o * run:(o + 1) * run], info.begin + o * row + start, name)
             else:
                 per_block = max(1, BLOCK_BYTES // max(row, 1))
-                staging = torch.empty(per_block * row, dtype=torch.uint8)
+                staging = torch.empty(min(per_block, outer) * row, dtype=torch.uint8)
                 for first in range(0, outer, per_block):
                     count = min(per_block, outer - first)
                     block = staging[:count * row]
