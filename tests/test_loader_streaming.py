@@ -148,7 +148,7 @@ def _rank_main(rank: int, plan: ParallelPlan, device, directory: str):
         return original(logits, requests)
 
     llm.engine._sample = spy
-    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids
+    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids
     return dict(growth=growth, own=own, opens=load_opens, same=same, packed=packed, held_bytes=held_bytes,
                 sized=sized, tokens=tokens, logits=torch.stack(seen))
 
@@ -165,7 +165,7 @@ def reference(big_checkpoint):
         return original(logits, requests)
 
     llm.engine._sample = spy
-    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].token_ids
+    tokens = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0].token_ids
     return tokens, torch.stack(seen)
 
 

@@ -253,20 +253,24 @@ class _Reader:
 
     def read(self, item: Stored, indices: list["Index"], dim: int) -> torch.Tensor:
         parts = [item.file.read(item.name, index) for index in indices]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def finite(self, tensor: torch.Tensor, item: Stored) -> torch.Tensor:
+        """`tensor`, once no NaN or Inf is in it (when checking); run where the tensor is (on the GPU, for most)."""
         if self.check_finite and tensor.is_floating_point():
             flat = tensor.reshape(-1)
             for start in range(0, flat.numel(), _FINITE_CHUNK):
                 if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
-                    raise CheckpointError(f"{item.file.path} holds NaN or Inf values in tensor {item.name}; "
-                                          "re-download the checkpoint (or load with check_finite=False)")
+                    raise CheckpointError(f"{item.file.path} holds NaN or Inf values in tensor {item.name} (or "
+                                          f"values that overflow {tensor.dtype}); re-download the checkpoint, or load "
+                                          "with check_finite=False")
         return tensor
 
     def held_dtype(self, name: str) -> torch.dtype:
         return {"fp32": torch.float32, "uint8": torch.uint8}.get(self.expected[name].kind, self.dtype)
 
-    def store(self, name: str, tensor: torch.Tensor) -> None:
-        self.weights[name] = tensor.to(device=self.device, dtype=self.held_dtype(name))
+    def store(self, name: str, tensor: torch.Tensor, item: Stored) -> None:
+        self.weights[name] = self.finite(tensor.to(device=self.device, dtype=self.held_dtype(name)), item)
 
     def result(self) -> dict[str, torch.Tensor]:
         names = [n for n in self.expected if self.owns(n)]
@@ -280,20 +284,21 @@ class _Reader:
         r, config = item.route, self.config
         if r.kind == "direct":
             if self.owns(r.target):
-                self.store(r.target, self.read(item, *self.pieces(r.target, item.info.shape)))
+                self.store(r.target, self.read(item, *self.pieces(r.target, item.info.shape)), item)
         elif r.kind == "a_log":
             if self.owns(r.target):
-                self.store(r.target, self.shard(r.target, _per_head_a_log(self.read(item, [()], 0), config)))
+                self.store(r.target, self.shard(r.target, _per_head_a_log(self.read(item, [()], 0), config)), item)
         elif r.kind == "conv_qkv":
             if self.owns(r.target + "q_conv1d.weight"):
                 for part, chunk in zip("qkv", self.read(item, [()], 0).split(config.kda_proj_size, dim=0)):
                     name = f"{r.target}{part}_conv1d.weight"
-                    self.store(name, self.shard(name, chunk))
+                    self.store(name, self.shard(name, chunk), item)
         elif r.kind == "quantize":
             if self.owns(r.target + "_packed"):   # stacked dense experts [E, N, K] held as MXFP4
-                packed, scale = quantize_mxfp4(self.read(item, *self.pieces(r.target + "_packed", item.info.shape)))
-                self.store(r.target + "_packed", packed)
-                self.store(r.target + "_scale", scale)
+                dense = self.finite(self.read(item, *self.pieces(r.target + "_packed", item.info.shape)), item)
+                packed, scale = quantize_mxfp4(dense)
+                self.store(r.target + "_packed", packed, item)
+                self.store(r.target + "_scale", scale, item)
         elif self.owns(r.target + ".w13") and r.expert in self.experts:
             self.take_expert(item)
 
@@ -306,6 +311,7 @@ class _Reader:
         index, after = self.expert_index(r.part, r.field, item.info.shape)
         tensor = self.read(item, [index], 0)
         if r.field == "weight":
+            tensor = self.finite(tensor, item)
             parts = quantize_mxfp4(tensor) if self.packed else (tensor,)
         else:
             halves = self.pending.setdefault((r.target, r.expert, r.part), {})
