@@ -191,3 +191,24 @@ def test_rank_load_memory_opens_sizing_and_logits(big_checkpoint, reference, pla
         assert got["tokens"] == ref_tokens, f"rank {rank} generated other tokens"
         error = (got["logits"] - ref_logits).abs().max().item() / ref_logits.abs().max().item()
         assert error <= LOGIT_RTOL, f"rank {rank}: relative logit error {error:.2e}"
+
+
+@pytest.mark.parametrize("layout, expert_format", [("save_pretrained", "bf16"), ("raw_state_dict", "mxfp4")])
+def test_streamed_kimi_linear_layouts_equal_whole_load_then_shard(tmp_path, layout, expert_format):
+    """The other naming schemes: per-expert tensors and [1, 1, H, 1] A_log (save_pretrained), and the fused q/k/v
+    conv with stacked gate_up_proj/down_proj experts (a raw state_dict), held dense or quantised to MXFP4 on load."""
+    from safetensors.torch import save_file
+
+    from hf_helpers import perturbed_kimi_linear
+    model = perturbed_kimi_linear(seed=21, moe_intermediate_size=64, linear_num_heads=4)
+    if layout == "save_pretrained":
+        model.save_pretrained(tmp_path)
+    else:
+        model.config.save_pretrained(tmp_path)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    config = ModelConfig.from_hf(tmp_path).replace(expert_format=expert_format)
+    whole = load_checkpoint(tmp_path, config, dtype=torch.float32)
+    for plan in (ParallelPlan(tp=2), ParallelPlan(tp=2, ep=2), ParallelPlan(pp=2, tp=2)):
+        for rank in range(plan.world_size):
+            _assert_same(load_checkpoint(tmp_path, config, dtype=torch.float32, plan=plan, rank=rank),
+                         shard_model(config, whole, plan, rank).weights, f"{layout} {plan} rank {rank}")
