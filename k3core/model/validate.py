@@ -152,7 +152,8 @@ def _expert_problems(experts: dict[tuple[str, int, str], set[str]], config: Mode
                 if "weight" in fields:
                     line = f"conflicting {prefix}.{expert}.{part}: both a dense weight and MXFP4 halves"
                 else:
-                    line = f"missing {prefix}.{expert}.{part}" + (" (the other half of an MXFP4 pair)" if fields else "")
+                    half = " (the other half of an MXFP4 pair)" if fields else ""
+                    line = f"missing {prefix}.{expert}.{part}{half}"
                 if budget > 0:
                     problems.add(line)
                     budget -= 1
