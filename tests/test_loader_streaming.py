@@ -21,7 +21,7 @@ from k3core import LLM, SamplingParams
 from k3core.config import ModelConfig
 from k3core.model.checkpoint_writer import save_k3_checkpoint
 from k3core.model.loader import load_checkpoint
-from k3core.model.weights import init_random_weights
+from k3core.model.weights import expected_tensors, init_random_weights
 from k3core.parallel.launch import spawn
 from k3core.parallel.plan import ParallelPlan
 from k3core.parallel.shard import shard_model
@@ -173,7 +173,7 @@ def reference(big_checkpoint):
 def test_rank_load_memory_opens_sizing_and_logits(big_checkpoint, reference, plan):
     config = _big_config()
     sizes = {n: math.prod(s.shape) * (1 if s.kind == "uint8" else 4)
-             for n, s in __import__("k3core.model.weights", fromlist=["x"]).expected_tensors(config).items()}
+             for n, s in expected_tensors(config).items()}
     largest, total = max(sizes.values()), sum(sizes.values())
     assert total > 20 * largest                       # the bound below is about tensors, not the model
     shard_files = sorted(p.name for p in big_checkpoint.glob("*.safetensors"))

@@ -15,7 +15,7 @@ import torch
 
 from k3core.config import ModelConfig
 from k3core.model.safetensors_file import CheckpointError, SafetensorsFile, TensorInfo
-from k3core.model.weights import TensorSpec, expected_tensors, is_routed_expert
+from k3core.model.weights import expected_tensors, is_routed_expert
 
 if TYPE_CHECKING:
     from k3core.model.loader import Route
