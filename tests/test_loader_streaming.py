@@ -95,8 +95,13 @@ def test_dequantised_experts_whose_tp_share_splits_scale_groups(tmp_path):
 # ---- over gloo: memory, file opens, packed experts, sizing, logits -------------------------------------------------
 
 def _peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:     # resets VmHWM to the current resident size
-        handle.write("5")
+    """Reset VmHWM to the current resident size. Where the kernel refuses, the peak stays the process's own, which
+    can only overstate the growth measured from the current size (a false failure, never a false pass)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
 
 
 def _status_kib(field: str) -> int:
