@@ -19,7 +19,7 @@ Every expected tensor must be found with the right shape and dtype: the headers 
 the config first (k3core.model.validate), missing, unexpected, mis-shaped and mis-typed tensors are reported
 together, and only then is any tensor read, so a config that disagrees with its weights allocates nothing. Files
 are read by k3core.model.safetensors_file (the header checked, nothing executed); an index may name only files
-inside the checkpoint directory. Float tensors are checked for NaN/Inf as they are read (`check_finite`, on by
+inside the checkpoint directory. Float tensors are checked for NaN/Inf where they land (`check_finite`, on by
 default: one pass over bytes just read costs little beside reading them, and a NaN weight would be served as
 garbage without it).
 
