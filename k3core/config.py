@@ -235,8 +235,18 @@ class ModelConfig:
         path = Path(source)
         if path.is_dir():
             path = path / "config.json"
-        with open(path) as handle:
-            return parse_hf_config(json.load(handle), name=path.parent.name)
+            if not path.is_file():
+                raise ConfigError(f"{path.parent} has no config.json; put the model's config.json beside its weights")
+        try:
+            with open(path, "rb") as handle:
+                data = json.loads(handle.read().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{path} is not readable JSON ({str(exc).splitlines()[0]}); "
+                              "re-download or fix it") from None
+        try:
+            return parse_hf_config(data, name=path.parent.name)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":

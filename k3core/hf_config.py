@@ -29,6 +29,40 @@ _LAYER_KINDS = {"linear_attention": "kda", "full_attention": "mla"}
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 _MLP_KINDS = {"dense": "dense", "sparse": "moe", "moe": "moe"}
 
+# Sane bounds of the size fields (inclusive), far above any Kimi model (K3: hidden 7168, 61 layers, 384 experts),
+# so that a corrupt or hostile config.json is refused by name before shapes are derived from it.
+_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 23), "hidden_size": (1, 1 << 17), "num_hidden_layers": (1, 1024),
+    "intermediate_size": (0, 1 << 20), "max_position_embeddings": (1, 1 << 31),
+    "bos_token_id": (0, 1 << 23), "pad_token_id": (0, 1 << 23),
+    "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024), "q_lora_rank": (1, 1 << 16),
+    "kv_lora_rank": (1, 1 << 16), "qk_nope_head_dim": (1, 4096), "qk_rope_head_dim": (0, 4096),
+    "v_head_dim": (1, 4096), "num_experts": (0, 1 << 14), "num_experts_per_token": (0, 1024),
+    "moe_intermediate_size": (0, 1 << 20), "num_shared_experts": (0, 64), "routed_expert_hidden_size": (1, 1 << 17),
+    "num_expert_group": (1, 1 << 14), "topk_group": (1, 1 << 14), "first_k_dense_replace": (0, 1024),
+    "moe_layer_freq": (1, 1024), "attn_res_block_size": (1, 1024), "num_nextn_predict_layers": (0, 64),
+    "linear_attn_config.num_heads": (1, 1024), "linear_attn_config.head_dim": (1, 4096),
+    "linear_attn_config.short_conv_kernel_size": (1, 64),
+}
+
+
+def _bounded(field: str, value: int) -> int:
+    low, high = _BOUNDS.get(field, (None, None))
+    if low is not None and not low <= value <= high:
+        raise _fail(field, f"is {value}, outside the sane range {low}..{high}")
+    return value
+
+
+def _float(text: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = text.get(name)
+    if value is None:
+        value = default
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise _fail(name, f"must be a finite number, got {value!r}")
+    return float(value)
+
 
 def _fail(field: str, why: str) -> ConfigError:
     return ConfigError(f"invalid Hugging Face config field `{field}`: {why}")
@@ -66,7 +100,7 @@ def parse_hf_config(data: dict[str, Any], name: str = "custom") -> ModelConfig:
     fields["expert_format"] = "mxfp4" if is_mxfp4_quantization(quantization) else "bf16"
     fields["extra"] = {"hf_model_type": model_type, "quantization_config": quantization,
                        "eos_token_ids": _as_id_list(text.get("eos_token_id")),
-                       "num_nextn_predict_layers": int(text.get("num_nextn_predict_layers") or 0)}
+                       "num_nextn_predict_layers": _int(text, "num_nextn_predict_layers", default=0)}
     try:
         return ModelConfig(**fields)
     except TypeError as exc:  # a field of the wrong type that validate() cannot even compare
@@ -97,10 +131,15 @@ def mxfp4_quantization_config() -> dict[str, Any]:
             "kv_cache_scheme": None, "global_compression_ratio": None}
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: Any, field: str = "eos_token_id") -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    ids = list(value) if isinstance(value, (list, tuple)) else [value]
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _fail(field, f"must be an integer or a list of integers, got {value!r}")
+        _bounded("bos_token_id", v)
+    return ids
 
 
 def _int(text: dict[str, Any], *names: str, default: Any = None, required: bool = False) -> Any:
@@ -111,7 +150,7 @@ def _int(text: dict[str, Any], *names: str, default: Any = None, required: bool 
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(names[0], f"must be an integer, got {value!r}")
-    return value
+    return _bounded(names[0], value)
 
 
 def _parse_text(text: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +168,7 @@ def _parse_text(text: dict[str, Any]) -> dict[str, Any]:
         "num_layers": num_layers,
         "layer_types": _layer_types(text, linear, num_layers),
         "mlp_types": _mlp_types(text, num_layers),
-        "rms_norm_eps": float(_first(text, "rms_norm_eps", default=1e-5)),
+        "rms_norm_eps": _float(text, "rms_norm_eps", 1e-5),
         "tie_word_embeddings": bool(text.get("tie_word_embeddings", False)),
         "max_position_embeddings": _int(text, "max_position_embeddings", "model_max_length", default=1 << 20),
         "bos_token_id": _int(text, "bos_token_id"),
@@ -151,6 +190,8 @@ def _parse_text(text: dict[str, Any]) -> dict[str, Any]:
 def _layer_types(text: dict[str, Any], linear: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if text.get("layer_types") is not None:
         kinds = text["layer_types"]
+        if not isinstance(kinds, list):
+            raise _fail("layer_types", f"must be a list, got {kinds!r}")
         if len(kinds) != num_layers:
             raise _fail("layer_types", f"has {len(kinds)} entries but num_hidden_layers is {num_layers}")
         bad = [k for k in kinds if k not in _LAYER_KINDS]
@@ -162,6 +203,8 @@ def _layer_types(text: dict[str, Any], linear: dict[str, Any], num_layers: int) 
                     "the config needs `layer_types` or linear_attn_config.kda_layers and full_attn_layers")
     kinds: list[str | None] = [None] * num_layers
     for field, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
+        if not isinstance(linear[field], list):
+            raise _fail(f"linear_attn_config.{field}", f"must be a list, got {linear[field]!r}")
         for layer in linear[field]:
             # the released configs number layers from 1
             if not isinstance(layer, int) or not 1 <= layer <= num_layers:
@@ -179,6 +222,8 @@ def _layer_types(text: dict[str, Any], linear: dict[str, Any], num_layers: int) 
 def _mlp_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     if text.get("mlp_layer_types") is not None:
         kinds = text["mlp_layer_types"]
+        if not isinstance(kinds, list):
+            raise _fail("mlp_layer_types", f"must be a list, got {kinds!r}")
         if len(kinds) != num_layers:
             raise _fail("mlp_layer_types", f"has {len(kinds)} entries but num_hidden_layers is {num_layers}")
         bad = [k for k in kinds if k not in _MLP_KINDS]
@@ -198,9 +243,8 @@ def _activation(text: dict[str, Any]) -> dict[str, Any]:
         raise _fail("hidden_act", f"got {act!r}; k3core supports 'silu' (SwiGLU) and 'situ' (SiTU-GLU)")
     out: dict[str, Any] = {"activation": act}
     if act == "situ":
-        out["situ_beta"] = float(_first(text, "activation_situ_beta", default=1.0))  # HF default when unset
-        linear_beta = text.get("activation_situ_linear_beta")
-        out["situ_linear_beta"] = None if linear_beta is None else float(linear_beta)
+        out["situ_beta"] = _float(text, "activation_situ_beta", 1.0)  # HF default when unset
+        out["situ_linear_beta"] = _float(text, "activation_situ_linear_beta", None)
     return out
 
 
@@ -209,7 +253,7 @@ def _kda(text: dict[str, Any], linear: dict[str, Any]) -> dict[str, Any]:
         value = linear.get(inner, text.get(flat, _KDA_DEFAULTS[inner]))
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail(f"linear_attn_config.{inner}", f"must be an integer, got {value!r}")
-        return value
+        return _bounded(f"linear_attn_config.{inner}", value)
 
     lower = linear.get("gate_lower_bound")
     return {
@@ -217,7 +261,7 @@ def _kda(text: dict[str, Any], linear: dict[str, Any]) -> dict[str, Any]:
         "kda_head_dim": pick("head_dim", "linear_head_dim"),
         "conv_kernel_size": pick("short_conv_kernel_size", "linear_conv_kernel_dim"),
         "kda_gate": "softplus" if lower is None else "lower_bound",
-        "kda_gate_lower_bound": -5.0 if lower is None else float(lower),
+        "kda_gate_lower_bound": -5.0 if lower is None else _float(linear, "gate_lower_bound", None),
         "kda_output_gate": "full_rank" if linear.get("use_full_rank_gate") else "low_rank",
     }
 
@@ -260,7 +304,7 @@ def _moe(text: dict[str, Any]) -> dict[str, Any]:
         "router_scoring": scoring,
         "router_correction_bias": method is None or method == "noaux_tc",
         "moe_renormalize": bool(_first(text, "moe_renormalize", "norm_topk_prob", default=True)),
-        "routed_scaling_factor": float(_first(text, "routed_scaling_factor", default=1.0)),
+        "routed_scaling_factor": _float(text, "routed_scaling_factor", 1.0),
         "moe_latent_size": latent,
         "moe_latent_norm": bool(text.get("latent_moe_use_norm", False)),
         "num_expert_group": groups,

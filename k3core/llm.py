@@ -88,23 +88,26 @@ class LLM:
         self.tokenizer = load_tokenizer(model, self.config)       # before the weights: a bad tokenizer fails fast
         # Random preset weights are drawn on this rank's device, whatever the plan, so every rank draws the numbers a
         # single-device run of the same seed draws (CPU and CUDA generators differ), and a GPU rank never builds the
-        # whole model in host memory. A checkpoint under a plan is read to the host, sharded, and only this rank's
-        # part moves.
-        build_device = self.device if (self.plan.is_single or self.is_random) else torch.device("cpu")
+        # whole model in host memory. A checkpoint under a plan is streamed: each rank reads only its own slices
+        # straight to its device (the loader applies the plan as shard_model would).
+        streamed = not self.plan.is_single and not self.is_random
         if self.is_random:
             from k3core.model.weights import init_random_weights
-            weights = init_random_weights(self.config, seed=seed, dtype=self.dtype, device=build_device)
+            weights = init_random_weights(self.config, seed=seed, dtype=self.dtype, device=self.device)
         else:
             from k3core.model.loader import load_checkpoint
-            weights = load_checkpoint(model, self.config, dtype=self.dtype, device=build_device)
+            weights = load_checkpoint(model, self.config, dtype=self.dtype, device=self.device,
+                                      plan=None if self.plan.is_single else self.plan, rank=rank)
         self.ops = select_ops(backend, OpSpec(self.config, self.dtype, self.device))
         if self.plan.is_single:
             self.comm = SINGLE
             self.weights = weights
             self.network = Network(self.config, weights, self.ops)
         else:
+            from k3core.parallel.shard import RankShare
             self.comm = build_communicator(self.plan, rank)
-            local = shard_model(self.config, weights, self.plan, rank)
+            local = (RankShare(self.config, self.plan, rank).local_model(weights) if streamed
+                     else shard_model(self.config, weights, self.plan, rank))
             self.weights = {name: _own_storage(t.to(self.device)) for name, t in local.weights.items()}
             local.weights.clear()
             del weights                          # the unsharded tensors go now, not when the LLM does

@@ -241,7 +241,11 @@ class CheckpointTokenizer(_FileTokenizer):
         self._fast: Any = None
         if (directory / "tokenizer.json").exists():
             from tokenizers import Tokenizer as FastTokenizer
-            self._fast = FastTokenizer.from_file(str(directory / "tokenizer.json"))
+            try:
+                self._fast = FastTokenizer.from_file(str(directory / "tokenizer.json"))
+            except Exception as exc:   # the tokenizers library raises a bare Exception for a malformed file
+                raise TokenizerError(f"{directory / 'tokenizer.json'} is not a tokenizer the tokenizers library can "
+                                     f"read ({str(exc).splitlines()[0]}); re-download it") from None
             self._plain = FastTokenizer.from_file(str(directory / "tokenizer.json"))
             self._plain.encode_special_tokens = True        # a special token's spelling in text stays text
         else:
@@ -353,8 +357,12 @@ class TiktokenTokenizer(_FileTokenizer):
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    with open(path) as handle:
-        data = json.load(handle)
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TokenizerError(f"{path} is not readable JSON ({str(exc).splitlines()[0]}); re-download it or "
+                             "remove it") from None
     return data if isinstance(data, dict) else {}
 
 

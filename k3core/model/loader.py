@@ -15,37 +15,51 @@ refused with the way to convert them. Three naming schemes map to the canonical 
 Routed experts are held in `config.expert_format`: with "mxfp4" the packed bytes are kept as stored (a bf16
 checkpoint's experts are quantised here), with "bf16" an MXFP4 checkpoint's experts are dequantised.
 
-Every expected tensor must be found with the right shape: missing, unexpected and mis-shaped tensors are collected
-and reported together, and nothing is ever left random.
+Every expected tensor must be found with the right shape and dtype: the headers of all files are checked against
+the config first (k3core.model.validate), missing, unexpected, mis-shaped and mis-typed tensors are reported
+together, and only then is any tensor read, so a config that disagrees with its weights allocates nothing. Files
+are read by k3core.model.safetensors_file (the header checked, nothing executed); an index may name only files
+inside the checkpoint directory. Float tensors are checked for NaN/Inf where they land (`check_finite`, on by
+default: one pass over bytes just read costs little beside reading them, and a NaN weight would be served as
+garbage without it).
+
+Under a parallel plan (`plan`, `rank`) the loader reads only what the rank holds (k3core.parallel.shard.RankShare):
+its layers, its experts, and the TP slice of each tensor, straight from the files, opening each file once; the
+result equals loading everything and applying `shard_model`, bit for bit.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from k3core.config import ModelConfig
 from k3core.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from k3core.model.weights import TensorSpec, expected_tensors, is_routed_expert
+from k3core.model.safetensors_file import CheckpointError, SafetensorsFile
+from k3core.model.validate import Stored, inventory
+from k3core.model.weights import TensorSpec, expected_tensors
+
+if TYPE_CHECKING:
+    from k3core.parallel.plan import ParallelPlan
+    from k3core.parallel.shard import Index, RankShare
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
-MAX_REPORTED_PROBLEMS = 5
 _PROGRESS_MIN_TENSORS = 2000   # a bar for a handful of tensors is noise
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded for `config`; the message names the tensors or files at fault."""
+__all__ = ["CheckpointError", "checkpoint_files", "load_checkpoint", "route"]
+_FINITE_CHUNK = 1 << 24                   # elements checked at a time: bounds the check's scratch
 
 
 def _convert_hint(path: Path) -> str:
@@ -70,22 +84,47 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     index = path / SAFETENSORS_INDEX
     if index.exists():
-        with open(index) as handle:
-            weight_map = json.load(handle).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no `weight_map`; rewrite it with save_pretrained")
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        absent = [f.name for f in files if not f.exists()]
-        if absent:
-            raise CheckpointError(f"{index} names {len(absent)} missing file(s), first {absent[0]}; "
-                                  "download the complete checkpoint")
-        return files
+        return [_inside(path, path / name, index) for name in sorted(set(_weight_map(index).values()))]
     if (path / SAFETENSORS_FILE).exists():
-        return [path / SAFETENSORS_FILE]
+        return [_inside(path, path / SAFETENSORS_FILE, path / SAFETENSORS_FILE)]
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(_convert_hint(pickles[0]))
-    raise CheckpointError(f"{path} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}")
+    raise CheckpointError(f"{path} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX}; pass a directory "
+                          "that holds the safetensors weights")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        with open(index, "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{index} is not readable JSON ({str(exc).splitlines()[0]}); re-download it") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no `weight_map`; rewrite it with save_pretrained")
+    for tensor, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name or os.path.isabs(file_name) or \
+                ".." in Path(file_name).parts or "\\" in file_name:
+            raise CheckpointError(f"{index} maps tensor {tensor} to {file_name!r}, which is not a file name inside "
+                                  "the checkpoint directory; an index may name only files next to it")
+    return weight_map
+
+
+def _inside(root: Path, file: Path, named_by: Path) -> Path:
+    """`file`, once it is known to exist and to resolve inside `root` (or, for a Hugging Face cache snapshot
+    `<repo>/snapshots/<rev>/`, inside that repo's `blobs/`, where the hub's own symlinks point)."""
+    if not file.exists():
+        what = "names a missing file" if named_by != file else "is a dangling link"
+        raise CheckpointError(f"{named_by} {what}, {file.name}; download the complete checkpoint")
+    real, base = file.resolve(), root.resolve()
+    blobs = base.parent.parent / "blobs" if base.parent.name == "snapshots" else None
+    if not (real.is_relative_to(base) or (blobs is not None and real.is_relative_to(blobs))):
+        raise CheckpointError(f"{file} resolves to {real}, outside the checkpoint directory {base}; copy the file "
+                              "into the directory instead of linking to it")
+    if not real.is_file():
+        raise CheckpointError(f"{file} is not a regular file; put the safetensors file itself there")
+    return file
 
 
 # ---- name mapping ---------------------------------------------------------------------------------------------
@@ -146,85 +185,8 @@ def route(stored_name: str, config: ModelConfig, expected: dict[str, TensorSpec]
     return Route("a_log" if name.endswith(".self_attn.A_log") else "direct", name)
 
 
+
 # ---- loading --------------------------------------------------------------------------------------------------
-
-@dataclass
-class _Problems:
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    misshaped: list[str] = field(default_factory=list)
-
-    def raise_if_any(self, path: Path) -> None:
-        lines = ([f"missing {m}" for m in self.missing] + [f"unexpected {u}" for u in self.unexpected]
-                 + [f"mis-shaped {s}" for s in self.misshaped])
-        if lines:
-            shown = "; ".join(lines[:MAX_REPORTED_PROBLEMS])
-            more = f" (and {len(lines) - MAX_REPORTED_PROBLEMS} more)" if len(lines) > MAX_REPORTED_PROBLEMS else ""
-            raise CheckpointError(f"checkpoint {path} does not match the model config: {len(lines)} problem(s): "
-                                  f"{shown}{more}; check that config.json belongs to these weights")
-
-
-def _shape_text(shape: tuple[int, ...] | torch.Size) -> str:
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-class _ExpertSlots:
-    """Fills the stacked experts of one MoE layer (dense w13/w2, or their MXFP4 packed + scale tensors) from
-    per-expert tensors (plain or MXFP4 pairs), converting between the formats where the checkpoint's differs."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.inner, self.width = config.moe_intermediate_size, config.expert_width
-        self.packed = config.expert_format == "mxfp4"
-        self.filled: dict[str, set[tuple[int, str]]] = {}
-        self.pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}   # MXFP4 halves awaiting their pair
-
-    def expected_shape(self, part: str, field: str) -> tuple[int, ...]:
-        rows, cols = (self.width, self.inner) if part == "w2" else (self.inner, self.width)
-        return {"weight": (rows, cols), "weight_packed": (rows, cols // 2), "weight_scale": (rows, cols // 32)}[field]
-
-    def take(self, r: Route, tensor: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """(expert, part) once complete, in the held format: (dense float weight,) or (packed, scale); None while
-        half of an MXFP4 pair waits for the other."""
-        if r.field == "weight":
-            return quantize_mxfp4(tensor) if self.packed else (tensor,)
-        key = (r.target, r.expert, r.part)
-        halves = self.pending.setdefault(key, {})
-        halves[r.field] = tensor
-        if len(halves) < 2:
-            return None
-        del self.pending[key]
-        packed, scale = halves["weight_packed"], halves["weight_scale"]
-        return (packed, scale) if self.packed else (dequantize_mxfp4(packed, scale),)   # float32 [rows, cols]
-
-    def place(self, weights: dict[str, torch.Tensor], r: Route, parts: tuple[torch.Tensor, ...]) -> None:
-        inner = self.inner
-        fields = ("_packed", "_scale") if self.packed else ("",)
-        for suffix, value in zip(fields, parts):
-            if r.part == "w2":
-                weights[r.target + ".w2" + suffix][r.expert].copy_(value)  # [De, I(/2 or /32)]
-            else:
-                rows = slice(0, inner) if r.part == "w1" else slice(inner, 2 * inner)  # w13: gate rows, then up rows
-                weights[r.target + ".w13" + suffix][r.expert, rows].copy_(value)       # [I, De(/2 or /32)]
-        self.filled.setdefault(r.target, set()).add((r.expert, r.part))
-
-    def stacked_names(self, prefix: str) -> tuple[str, ...]:
-        fields = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.packed else ("w13", "w2")
-        return tuple(f"{prefix}.{field}" for field in fields)
-
-    def missing(self, prefix: str, num_experts: int) -> list[str]:
-        have = self.filled.get(prefix, set())
-        return [f"{prefix}.{e}.{part}" for e in range(num_experts) for part in ("w1", "w3", "w2")
-                if (e, part) not in have]
-
-
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, Any]]:
-    """(stored name, open safetensors handle) for every tensor; tensors are read only when asked for."""
-    from safetensors import safe_open
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle
-
 
 def _progress(total: int, desc: str):
     from tqdm import tqdm  # lazy: only loading needs it
@@ -233,61 +195,27 @@ def _progress(total: int, desc: str):
 
 
 def load_checkpoint(path: str | Path, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor on `device`; "weight" tensors in `dtype`, "fp32" tensors in float32."""
-    files = checkpoint_files(path)
-    expected = expected_tensors(config)
-    fused_experts = {name for name in expected if is_routed_expert(name)}
-    weights: dict[str, torch.Tensor] = {}
-    loaded: set[str] = set()
-    problems = _Problems()
-    experts = _ExpertSlots(config)
+                    device: str | torch.device = "cpu", plan: "ParallelPlan | None" = None, rank: int = 0,
+                    check_finite: bool = True) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor on `device`; "weight" tensors in `dtype`, "fp32" tensors in float32.
 
-    def target_dtype(name: str) -> torch.dtype:
-        return {"fp32": torch.float32, "uint8": torch.uint8}.get(expected[name].kind, dtype)
-
-    def store(name: str, tensor: torch.Tensor, stored_name: str) -> None:
-        spec = expected[name]
-        label = name if stored_name == name else f"{stored_name} (as {name})"
-        if tuple(tensor.shape) != spec.shape:
-            problems.misshaped.append(f"{label}: got {_shape_text(tensor.shape)}, expected {_shape_text(spec.shape)}")
-            return
-        if name in loaded:
-            problems.unexpected.append(f"{label}: a second tensor for the same weight")
-            return
-        weights[name] = tensor.to(device=device, dtype=target_dtype(name))
-        loaded.add(name)
-
-    with _progress(sum(1 for _ in _iter_tensors(files)), "loading weights") as bar:
-        for stored_name, handle in _iter_tensors(files):
-            bar.update(1)
-            r = route(stored_name, config, expected)
-            if r is None:
-                problems.unexpected.append(stored_name)
-                continue
-            if r.kind == "ignore":
-                continue
-            tensor = handle.get_tensor(stored_name)
-            if r.kind == "direct":
-                store(r.target, tensor, stored_name)
-            elif r.kind == "a_log":
-                store(r.target, _per_head_a_log(tensor, config), stored_name)
-            elif r.kind == "conv_qkv":
-                _split_conv(stored_name, r.target, tensor, config, store, problems)
-            elif r.kind == "quantize":
-                _store_quantized(stored_name, r.target, tensor, expected, store, problems)
-            else:
-                _load_expert(stored_name, r, tensor, experts, weights, expected, device, dtype, problems)
-    for name, spec in expected.items():
-        # stacked experts built from per-expert tensors are checked expert by expert below
-        if name in loaded or (name in fused_experts and name.rsplit(".", 1)[0] in experts.filled):
-            continue
-        problems.missing.append(f"{name} {_shape_text(spec.shape)}")
-    for prefix in sorted(experts.filled):
-        problems.missing.extend(experts.missing(prefix, config.num_experts))
-    problems.missing.extend(f"{k[0]}.{k[1]}.{k[2]} (the other half of an MXFP4 pair)" for k in experts.pending)
-    problems.raise_if_any(Path(path))
-    return {name: weights[name] for name in expected}
+    With a multi-rank `plan`, only rank `rank`'s tensors, already sharded (what `shard_model` would give it)."""
+    from k3core.parallel.shard import RankShare
+    share = RankShare(config, plan, rank) if plan is not None and not plan.is_single else None
+    files: list[SafetensorsFile] = []
+    try:
+        for file in checkpoint_files(path):
+            files.append(SafetensorsFile(file))
+        stored = inventory(Path(path), files, config)          # every header checked before any byte is read
+        reader = _Reader(config, dtype, torch.device(device), share, check_finite)
+        with _progress(len(stored), "loading weights") as bar:
+            for item in stored:
+                reader.take(item)
+                bar.update(1)
+        return reader.result()
+    finally:
+        for file in files:
+            file.close()
 
 
 def _per_head_a_log(tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -297,52 +225,156 @@ def _per_head_a_log(tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         tensor = tensor.reshape(-1)
     if tensor.dim() == 1 and tensor.shape[0] == max(heads, config.kda_head_dim) != heads:
         tensor = tensor[:heads]
-    return tensor   # a remaining wrong shape is reported by store()
+    return tensor
 
 
-def _split_conv(stored_name: str, prefix: str, tensor: torch.Tensor, config: ModelConfig,
-                store: Callable[[str, torch.Tensor, str], None], problems: _Problems) -> None:
-    """transformers' fused [3P, 1, Kc] conv weight -> q/k/v [P, 1, Kc] (concatenated in q, k, v order)."""
-    P, kernel = config.kda_proj_size, config.conv_kernel_size
-    if tuple(tensor.shape) != (3 * P, 1, kernel):
-        problems.misshaped.append(f"{stored_name}: got {_shape_text(tensor.shape)}, "
-                                  f"expected {_shape_text((3 * P, 1, kernel))}")
-        return
-    for part, chunk in zip("qkv", tensor.split(P, dim=0)):
-        store(f"{prefix}{part}_conv1d.weight", chunk, stored_name)
+class _Reader:
+    """Reads the checked tensors (only the rank's slices under a plan) into canonical weights."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, share: "RankShare | None",
+                 check_finite: bool) -> None:
+        self.config, self.dtype, self.device, self.share = config, dtype, device, share
+        self.check_finite = check_finite
+        self.expected = expected_tensors(config)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.pending: dict[tuple[str, int, str], dict[str, torch.Tensor]] = {}   # MXFP4 halves awaiting a pair
+        self.packed = config.expert_format == "mxfp4"
+        tp = share.plan.tp if share is not None and share.plan.ep == 1 else 1
+        self.expert_tp = tp                                         # TP split of each expert's intermediate
+        self.tp_rank = share.tp_rank if share is not None else 0
+        self.experts = share.experts if share is not None else range(config.num_experts)
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def owns(self, name: str) -> bool:
+        return self.share is None or self.share.owns(name)
+
+    def pieces(self, name: str, shape: tuple[int, ...]) -> tuple[list["Index"], int]:
+        return self.share.pieces(name, shape) if self.share is not None else ([()], 0)
+
+    def read(self, item: Stored, indices: list["Index"], dim: int) -> torch.Tensor:
+        parts = [item.file.read(item.name, index) for index in indices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def finite(self, tensor: torch.Tensor, item: Stored) -> torch.Tensor:
+        """`tensor`, once no NaN or Inf is in it (when checking); run where the tensor is (on the GPU, for most)."""
+        if self.check_finite and tensor.is_floating_point():
+            flat = tensor.reshape(-1)
+            for start in range(0, flat.numel(), _FINITE_CHUNK):
+                if not torch.isfinite(flat[start:start + _FINITE_CHUNK]).all():
+                    raise CheckpointError(f"{item.file.path} holds NaN or Inf values in tensor {item.name} (or "
+                                          f"values that overflow {tensor.dtype}); re-download the checkpoint, or load "
+                                          "with check_finite=False")
+        return tensor
+
+    def held_dtype(self, name: str) -> torch.dtype:
+        return {"fp32": torch.float32, "uint8": torch.uint8}.get(self.expected[name].kind, self.dtype)
+
+    def store(self, name: str, tensor: torch.Tensor, item: Stored) -> None:
+        self.weights[name] = self.finite(tensor.to(device=self.device, dtype=self.held_dtype(name)), item)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        names = [n for n in self.expected if self.owns(n)]
+        absent = [n for n in names if n not in self.weights]
+        if absent:   # the inventory found every tensor, so this is a loader bug, not a checkpoint problem
+            raise AssertionError(f"loader left {absent[0]} unread")
+        return {name: self.weights[name] for name in names}
+
+    # ---- routes ------------------------------------------------------------------------------------------------
+    def take(self, item: Stored) -> None:
+        r, config = item.route, self.config
+        if r.kind == "direct":
+            if self.owns(r.target):
+                self.store(r.target, self.read(item, *self.pieces(r.target, item.info.shape)), item)
+        elif r.kind == "a_log":
+            if self.owns(r.target):
+                self.store(r.target, self.shard(r.target, _per_head_a_log(self.read(item, [()], 0), config)), item)
+        elif r.kind == "conv_qkv":
+            if self.owns(r.target + "q_conv1d.weight"):
+                for part, chunk in zip("qkv", self.read(item, [()], 0).split(config.kda_proj_size, dim=0)):
+                    name = f"{r.target}{part}_conv1d.weight"
+                    self.store(name, self.shard(name, chunk), item)
+        elif r.kind == "quantize":
+            if self.owns(r.target + "_packed"):   # stacked dense experts [E, N, K] held as MXFP4
+                dense = self.finite(self.read(item, *self.pieces(r.target + "_packed", item.info.shape)), item)
+                packed, scale = quantize_mxfp4(dense)
+                self.store(r.target + "_packed", packed, item)
+                self.store(r.target + "_scale", scale, item)
+        elif self.owns(r.target + ".w13") and r.expert in self.experts:
+            self.take_expert(item)
+
+    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return self.share.shard(name, tensor).clone() if self.share is not None else tensor
+
+    def take_expert(self, item: Stored) -> None:
+        """One expert's w1/w3/w2 field: its TP slice read, converted to the held format, placed in the stack."""
+        r = item.route
+        index, after = self.expert_index(r.part, r.field, item.info.shape)
+        tensor = self.read(item, [index], 0)
+        if r.field == "weight":
+            tensor = self.finite(tensor, item)
+            parts = quantize_mxfp4(tensor) if self.packed else (tensor,)
+        else:
+            halves = self.pending.setdefault((r.target, r.expert, r.part), {})
+            halves[r.field] = tensor
+            if len(halves) < 2:
+                return
+            del self.pending[(r.target, r.expert, r.part)]
+            packed, scale = halves["weight_packed"], halves["weight_scale"]
+            parts = (packed, scale) if self.packed else (dequantize_mxfp4(packed, scale)[after],)
+        self.place(r.target, r.expert - self.experts.start, r.part, parts)
+
+    def expert_index(self, part: str, field: str, shape: tuple[int, ...]) -> tuple["Index", "Index"]:
+        """(what to read of the stored tensor, what to keep of its dense value after dequantising)."""
+        tp, rank = self.expert_tp, self.tp_rank
+        if tp == 1:
+            return (), ()
+        if part != "w2":                                   # [I, ...]: the rank's rows of the intermediate
+            step = shape[0] // tp
+            return (slice(rank * step, (rank + 1) * step),), ()
+        inner = self.config.moe_intermediate_size          # w2 [De, I (/2, /32)]: the rank's columns
+        cols = slice(rank * inner // tp, (rank + 1) * inner // tp)
+        per = {"weight": 1, "weight_packed": 2, "weight_scale": 32}[field]
+        if field == "weight" or self.packed or (inner // tp) % 32 == 0:
+            return (slice(None), slice(cols.start // per, cols.stop // per)), ()
+        return (), (slice(None), cols)                     # scale groups straddle ranks: dequantise, then cut
+
+    def place(self, prefix: str, slot: int, part: str, parts: tuple[torch.Tensor, ...]) -> None:
+        fields = ("_packed", "_scale") if self.packed else ("",)
+        for suffix, value in zip(fields, parts):
+            name = prefix + (".w2" if part == "w2" else ".w13") + suffix
+            if name not in self.weights:
+                held = self.held_dtype(name)
+                shape = self.local_shape(name)
+                # NaN (or 0xFF bytes) until filled; the inventory has checked that every slot is in the checkpoint
+                self.weights[name] = torch.full(shape, 255 if held == torch.uint8 else float("nan"), dtype=held,
+                                                device=self.device)
+            target = self.weights[name]
+            if part == "w2":
+                target[slot].copy_(value)                                          # [De, I(/2 or /32)]
+            else:
+                rows = target.shape[1] // 2                                        # w13: gate rows, then up rows
+                span = slice(0, rows) if part == "w1" else slice(rows, 2 * rows)
+                target[slot, span].copy_(value)
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        shape = self.expected[name].shape
+        if self.share is None:
+            return shape
+        indices, dim = self.share.pieces(name, shape)
+        if indices == [()]:
+            return shape
+        size = sum(len(range(*index[dim].indices(shape[dim]))) for index in indices)
+        return shape[:dim] + (size,) + shape[dim + 1:]
 
 
-def _load_expert(stored_name: str, r: Route, tensor: torch.Tensor, experts: _ExpertSlots,
-                 weights: dict[str, torch.Tensor], expected: dict[str, TensorSpec], device: str | torch.device,
-                 dtype: torch.dtype,
-                 problems: _Problems) -> None:
-    want = experts.expected_shape(r.part, r.field)
-    if tuple(tensor.shape) != want:
-        problems.misshaped.append(f"{stored_name}: got {_shape_text(tensor.shape)}, expected {_shape_text(want)}")
-        return
-    if r.field != "weight" and tensor.dtype != torch.uint8:
-        problems.misshaped.append(f"{stored_name}: MXFP4 tensors must be uint8, got {tensor.dtype}")
-        return
-    parts = experts.take(r, tensor)
-    if parts is None:
-        return
-    for name in experts.stacked_names(r.target):
-        if name not in weights:
-            # NaN (or 0xFF bytes) until filled: a slot the checkpoint never writes is reported as missing, never used
-            held = torch.uint8 if expected[name].kind == "uint8" else dtype
-            weights[name] = torch.full(expected[name].shape, 255 if held == torch.uint8 else float("nan"), dtype=held,
-                                       device=device)
-    experts.place(weights, r, tuple(part.to(device) for part in parts))
-
-
-def _store_quantized(stored_name: str, name: str, tensor: torch.Tensor, expected: dict[str, TensorSpec],
-                     store: Callable[[str, torch.Tensor, str], None], problems: _Problems) -> None:
-    """Stacked dense experts [E, N, K] (transformers' names) held as MXFP4: quantised, then stored as the pair."""
-    packed_shape = expected[name + "_packed"].shape
-    want = (*packed_shape[:-1], packed_shape[-1] * 2)
-    if tuple(tensor.shape) != want:
-        problems.misshaped.append(f"{stored_name}: got {_shape_text(tensor.shape)}, expected {_shape_text(want)}")
-        return
-    packed, scale = quantize_mxfp4(tensor)
-    store(name + "_packed", packed, stored_name)
-    store(name + "_scale", scale, stored_name)
+def check_checkpoint(path: str | Path, config: ModelConfig) -> None:
+    """Every check `load_checkpoint` makes before reading data (files, headers, shapes, dtypes), reading no data:
+    a server refuses a bad directory with this before it starts."""
+    files: list[SafetensorsFile] = []
+    try:
+        for file in checkpoint_files(path):
+            files.append(SafetensorsFile(file))
+        inventory(Path(path), files, config)
+    finally:
+        for file in files:
+            file.close()

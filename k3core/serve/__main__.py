@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("k3core.serve")
+    problem = _model_problem(args.model)
+    if problem is not None:               # refused before binding the port: one sentence, no traceback
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.model in list_presets():
         default = " (the default)" if args.model == DEFAULT_MODEL else ""
         log.warning("serving the preset %s%s with RANDOM weights: the API works, the text is noise. "
@@ -30,6 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     server = build_server(args)
     server.run()
     return 1 if server.engine.error is not None else 0
+
+
+def _model_problem(model: str) -> str | None:
+    """Why --model cannot be served (its config, weight headers or tokenizer), checked without reading weights."""
+    from k3core.config import ConfigError, load_config, resolve_model
+    from k3core.model.loader import CheckpointError, check_checkpoint
+    from k3core.tokenizer import TokenizerError, load_tokenizer
+    if model in list_presets() or model.endswith((".yaml", ".yml")):
+        return None
+    try:
+        path = resolve_model(model)
+        config = load_config(path)
+        check_checkpoint(path, config)
+        load_tokenizer(path, config)
+    except (ConfigError, CheckpointError, TokenizerError) as exc:
+        return str(exc)
+    return None
 
 
 if __name__ == "__main__":
