@@ -62,9 +62,10 @@ class Served:
         if hook:
             (tmp_path / "sitecustomize.py").write_text(FAULT_HOOK)
             env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+        # a small step budget keeps the warm-up (prefills up to twice the budget) short
         command = [sys.executable, "-m", "k3core.serve", "--model", MODEL, *plan, "--memory-bytes", str(64 << 20),
-                   "--cpu-threads", "1", "--port", str(self.port), "--disable-prefix-cache", "--chunked-prefill-tokens", "64",
-                   "--rank-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+                   "--cpu-threads", "1", "--port", str(self.port), "--disable-prefix-cache",
+                   "--chunked-prefill-tokens", "64", "--rank-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
         self.log = open(self.log_path, "w")
         # a session of its own: the test can end every process of the server, and only those
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -191,3 +192,39 @@ def test_poison_request_on_rank_1_fails_alone_then_a_wedged_rank_turns_health_50
         assert f"rank 1 (pid {follower}) sent no heartbeat" in body["error"]["message"], body
     finally:
         served.close()
+
+
+PG_TIMEOUT_S = 2.0                # the process group's collective timeout in the keep-alive test
+
+
+def _idle_leader_main(rank: int, plan, device, keepalive_s: float):
+    from k3core import LLM, SamplingParams
+    from k3core.parallel.distributed_engine import DistributedEngine, follow
+    llm = LLM(MODEL, backend="torch", device=str(device), dtype="float32", seed=7, plan=plan, rank=rank,
+              memory_bytes=8 << 20, page_size=2, checkpoint_interval=8, chunked_prefill_tokens=8)
+    if rank != 0:
+        follow(llm.engine, llm.comm)
+        return None
+    engine = DistributedEngine(llm.engine, llm.comm, keepalive_s=keepalive_s)
+    idle_until = time.monotonic() + 3 * PG_TIMEOUT_S      # idle for longer than a follower's wait may last
+    while time.monotonic() < idle_until:
+        engine.keep_alive()                                # what the engine loop calls when it has no work
+        time.sleep(0.05)
+    request = engine.add_request([5, 17, 2, 99], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    tokens = engine.run_until_done([request])[request].token_ids
+    engine.shutdown()
+    return tokens
+
+
+def test_an_idle_leader_keeps_its_followers_past_the_collective_timeout():
+    """A follower waits for the next step inside a broadcast, which the process group times out (30 min on gloo by
+    default): without the idle leader's keep-alive steps, an idle server lost its followers after that long."""
+    from k3core import LLM, SamplingParams
+    from k3core.parallel.launch import DistSetup, spawn
+    from k3core.parallel.plan import ParallelPlan
+    setup = DistSetup(f"127.0.0.1:{free_port()}", timeout_s=PG_TIMEOUT_S)
+    results = spawn(_idle_leader_main, ParallelPlan(tp=2), args=(PG_TIMEOUT_S / 4,), setup=setup, timeout_s=120)
+    single = LLM(MODEL, backend="torch", dtype="float32", seed=7, memory_bytes=8 << 20, page_size=2,
+                 checkpoint_interval=8, chunked_prefill_tokens=8)
+    expected = single.generate([[5, 17, 2, 99]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert results[0] == expected.token_ids

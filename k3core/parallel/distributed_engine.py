@@ -14,6 +14,7 @@ then answers 503 and exits non-zero rather than serving from a broken world.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +40,18 @@ class _Control:
     shutdown: bool = False
 
 
+KEEPALIVE_S = 30.0       # an idle leader steps the followers this often (far below gloo's 30 / NCCL's 10 min)
+
+
 class DistributedEngine:
     """The leader's view: the Engine API, with every state change mirrored to the followers."""
 
-    def __init__(self, engine: Engine, comm):
+    def __init__(self, engine: Engine, comm, keepalive_s: float = KEEPALIVE_S):
         self.engine = engine
         self.comm = comm
+        self.keepalive_s = keepalive_s
         self._pending = _Control()
+        self._last_step = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:          # read-only attributes (requests, scheduler, cache, ...)
         return getattr(self.engine, name)
@@ -65,7 +71,14 @@ class DistributedEngine:
         self._pending.flush = True
         return self.engine.flush_cache()
 
+    def keep_alive(self) -> None:
+        """Call while idle: a follower waits for the next step inside a collective, which the backend times out
+        (the process group's timeout: 30 min on gloo, 10 on NCCL by default), so step them, idle, now and then."""
+        if time.monotonic() - self._last_step >= self.keepalive_s:
+            self.step()
+
     def step(self) -> list[StepOutput]:
+        self._last_step = time.monotonic()
         try:
             self._broadcast()
             return self.engine.step()

@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -126,6 +127,7 @@ class _ForwardingMetrics:
 
 def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_engine: str, from_engine: str) -> None:
     """The child process: an EngineThread's loop on this process's main thread, fed from the command socket."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole group: the server sends Stop instead
     context = zmq.Context()
     out = context.socket(zmq.PUSH)
     out.connect(from_engine)
@@ -141,6 +143,7 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
             out.send(data)
 
     engine = EngineThread(build_llm, _ForwardingMetrics(send), context_length=context_length)
+    engine.on_loop_failure = lambda reason: send(Failed(reason))   # the server fails the requests, with the cause
 
     def sink_for(request_id: str) -> Callable[[EngineEvent], None]:
         def sink(event: EngineEvent) -> None:
@@ -192,8 +195,7 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
     threading.Thread(target=watch_parent, args=(os.getppid(),), name="k3core-engine-parent", daemon=True).start()
     try:
         engine._run()                       # returns once Stop arrives (or start-up failed)
-    except BaseException as exc:            # the loop stopped (e.g. RanksOutOfStep): tell the server why, then exit
-        send(Failed(engine.error or f"the engine loop stopped ({type(exc).__name__}: {exc})"))
+    except BaseException:                   # the loop stopped (e.g. RanksOutOfStep) and sent Failed: let it leave
         out.close(linger=1000)
         raise
     if engine.error is not None:
@@ -334,8 +336,9 @@ class EngineProcess:
                 future.set_result(message.result)
         elif isinstance(message, Ready):
             self._ready(message)
-        elif isinstance(message, Failed):
-            self._fatal(message.reason)
+        elif isinstance(message, Failed):      # a lost rank, if any, is the cause of the loop's failure
+            cause = self.root_cause() if self.root_cause is not None else None
+            self._fatal(cause or message.reason)
 
     def _ready(self, message: Ready) -> None:
         if message.error is None:
@@ -359,8 +362,8 @@ class EngineProcess:
     def _died(self) -> None:
         from k3core.serve.liveness import describe_exit
         cause = self.root_cause() if self.root_cause is not None else None
-        self._fatal(cause or f"the engine process (pid {self._process.pid}) "
-                             f"{describe_exit(self._process.exitcode)} unexpectedly")
+        self._fatal(cause or f"the engine process exited unexpectedly (pid {self._process.pid}, "
+                             f"{describe_exit(self._process.exitcode)})")
 
     def _fatal(self, reason: str) -> None:
         with self._fatal_lock:

@@ -95,6 +95,8 @@ class EngineThread:
         self.error: str | None = None
         self.info: ModelInfo | None = None
         self.dead = threading.Event()              # set once the engine can no longer serve (`error` says why)
+        # who reports a loop that stopped, if not `fail` here (the engine process: the server, which holds the sinks)
+        self.on_loop_failure: Callable[[str], None] | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k3core-engine", daemon=True)
@@ -153,9 +155,15 @@ class EngineThread:
                 self._drain_commands(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._step()
+                elif hasattr(self.engine, "keep_alive"):   # a DistributedEngine: idle followers must hear from it
+                    self.engine.keep_alive()
                 self._publish()
         except BaseException as exc:   # e.g. RanksOutOfStep: the loop cannot go on; say so instead of dying mute
-            self.fail(f"the engine loop stopped ({type(exc).__name__}: {exc})")
+            reason = f"the engine loop stopped ({type(exc).__name__}: {exc})"
+            if self.on_loop_failure is not None:
+                self.on_loop_failure(reason)
+            else:
+                self.fail(reason)
             raise
         for request_id in list(self._tracked):
             self._abort(request_id)

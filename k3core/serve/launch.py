@@ -26,7 +26,7 @@ log = logging.getLogger("k3core.serve")
 
 EXIT_START_FAILED = 1          # the engine could not start (bad model path, option, ...)
 EXIT_ENGINE_DIED = 3           # the engine process or a rank died or wedged while serving: restart the server
-EXIT_GRACE_S = 3.0             # after such a failure, /health answers 503 this long before the server exits
+EXIT_GRACE_S = 5.0             # after such a failure, /health answers 503 this long before the server exits
 
 
 def _build_llm(args: ServerArgs):

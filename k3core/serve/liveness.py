@@ -58,14 +58,15 @@ class WatchedRank:
 
 
 def describe_exit(code: int | None) -> str:
+    """A process's exit as words: "signal 9 (SIGKILL)", "exit code 3"."""
     if code is None:
-        return "is still running"
+        return "no exit code yet"
     if code < 0:
         try:
-            return f"exited with signal {-code} ({signal.Signals(-code).name})"
+            return f"signal {-code} ({signal.Signals(-code).name})"
         except ValueError:
-            return f"exited with signal {-code}"
-    return f"exited with code {code}"
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 class RankWatcher:
@@ -139,7 +140,8 @@ class RankWatcher:
 
     def _exit_reason(self, watched: WatchedRank) -> str:
         watched.process.join(timeout=0.5)            # reap it, so that the exit code is known
-        reason = f"rank {watched.rank} (pid {watched.process.pid}) {describe_exit(watched.process.exitcode)}"
+        code = describe_exit(watched.process.exitcode)
+        reason = f"rank {watched.rank} (pid {watched.process.pid}) exited with {code}"
         reported = self._reported.get(watched.rank)
         return f"{reason}: {reported}" if reported else reason
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import traceback
 from multiprocessing.connection import Connection
 
@@ -46,7 +47,10 @@ def build_rank_llm(args: ServerArgs, rank: int, setup: DistSetup):
 
 
 def _follower_main(args: ServerArgs, local_rank: int, setup: DistSetup, beat: Connection | None = None) -> None:
-    heartbeat = Heartbeat(beat) if beat is not None else None
+    heartbeat = None
+    if beat is not None:               # started by the server, which owns its lifetime: Ctrl-C is for the server
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        heartbeat = Heartbeat(beat)
     run_follower(args, global_rank(args, local_rank), setup, heartbeat)
 
 
