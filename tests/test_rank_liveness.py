@@ -194,19 +194,26 @@ def test_poison_request_on_rank_1_fails_alone_then_a_wedged_rank_turns_health_50
         served.close()
 
 
-PG_TIMEOUT_S = 2.0                # the process group's collective timeout in the keep-alive test
+PG_TIMEOUT_S = 2.0                # the process group's collective timeout in the keep-alive test, once built
 
 
 def _idle_leader_main(rank: int, plan, device, keepalive_s: float):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
     from k3core import LLM, SamplingParams
     from k3core.parallel.distributed_engine import DistributedEngine, follow
     llm = LLM(MODEL, backend="torch", device=str(device), dtype="float32", seed=7, plan=plan, rank=rank,
               memory_bytes=8 << 20, page_size=2, checkpoint_interval=8, chunked_prefill_tokens=8)
+    dist.barrier()                 # both ranks built: from here a wait longer than PG_TIMEOUT_S times out
+    _set_pg_timeout(datetime.timedelta(seconds=PG_TIMEOUT_S))
     if rank != 0:
         follow(llm.engine, llm.comm)
         return None
     engine = DistributedEngine(llm.engine, llm.comm, keepalive_s=keepalive_s)
-    idle_until = time.monotonic() + 3 * PG_TIMEOUT_S      # idle for longer than a follower's wait may last
+    idle_until = time.monotonic() + 2.5 * PG_TIMEOUT_S    # idle for longer than a follower's wait may last
     while time.monotonic() < idle_until:
         engine.keep_alive()                                # what the engine loop calls when it has no work
         time.sleep(0.05)
@@ -220,10 +227,9 @@ def test_an_idle_leader_keeps_its_followers_past_the_collective_timeout():
     """A follower waits for the next step inside a broadcast, which the process group times out (30 min on gloo by
     default): without the idle leader's keep-alive steps, an idle server lost its followers after that long."""
     from k3core import LLM, SamplingParams
-    from k3core.parallel.launch import DistSetup, spawn
+    from k3core.parallel.launch import spawn
     from k3core.parallel.plan import ParallelPlan
-    setup = DistSetup(f"127.0.0.1:{free_port()}", timeout_s=PG_TIMEOUT_S)
-    results = spawn(_idle_leader_main, ParallelPlan(tp=2), args=(PG_TIMEOUT_S / 4,), setup=setup, timeout_s=120)
+    results = spawn(_idle_leader_main, ParallelPlan(tp=2), args=(PG_TIMEOUT_S / 8,), timeout_s=120)
     single = LLM(MODEL, backend="torch", dtype="float32", seed=7, memory_bytes=8 << 20, page_size=2,
                  checkpoint_interval=8, chunked_prefill_tokens=8)
     expected = single.generate([[5, 17, 2, 99]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]

@@ -8,7 +8,6 @@ process is and the server joins that world instead of spawning; multi-node runs 
 """
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import socket
@@ -29,7 +28,6 @@ class DistSetup:
     nnodes: int = 1
     node_rank: int = 0
     device: str = "cpu"            # "cpu" (gloo) or "cuda" (NCCL / RCCL)
-    timeout_s: float | None = None  # the process group's collective timeout (None: torch's default, 30 min gloo)
 
 
 def free_port() -> int:
@@ -48,8 +46,7 @@ def init_rank(rank: int, world_size: int, setup: DistSetup) -> torch.device:
         device = torch.device("cuda", local)
     # torchrun's workers join the store its agent already serves (env://); our own launches start one (tcp://).
     init_method = setup.init_addr if setup.init_addr == "env://" else f"tcp://{setup.init_addr}"
-    timeout = None if setup.timeout_s is None else datetime.timedelta(seconds=setup.timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return device
 
 
