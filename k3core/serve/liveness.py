@@ -91,12 +91,16 @@ class RankWatcher:
         self._stopping.set()
         self._thread.join(timeout=2 * POLL_S + 1)
 
-    def check_now(self) -> str | None:
-        """The first rank found dead right now, as a reason (for an engine that just lost a collective)."""
-        for watched in self.ranks:
-            if not watched.process.is_alive():
-                return self._exit_reason(watched)
-        return None
+    def check_now(self, wait_s: float = 0.5) -> str | None:
+        """A rank found dead within `wait_s`, as a reason, else None: for an engine that just lost a collective
+        (its peer's sockets close a moment before its sentinel says so; a healthy world costs the wait)."""
+        by_sentinel = {w.process.sentinel: w for w in self.ranks}
+        dead = wait(list(by_sentinel), timeout=wait_s)
+        if not dead:
+            return None
+        watched = by_sentinel[dead[0]]
+        self._drain(watched)
+        return self._exit_reason(watched)
 
     # ---- the watcher thread -----------------------------------------------------------------------------
     def _run(self) -> None:
