@@ -4,7 +4,9 @@
   event (no hang), and the server exits with EXIT_ENGINE_DIED so that a supervisor restarts it;
 * a request whose sampling raises on rank 1 (the sampler rank under --pp 2) fails alone: a stream beside it gets
   the tokens it gets alone, and the server keeps serving; then a wedged rank 1 (SIGSTOP) turns /health 503 within
-  the heartbeat bound and the server exits the same way.
+  the heartbeat bound and the server exits the same way;
+* an idle leader keeps its followers past the process group's collective timeout (keep-alive steps);
+* a follower that fails reports why, and the watcher names the rank, its pid, its exit code and that reason.
 
 The fault is injected by this test only: a `sitecustomize.py` on the server's PYTHONPATH (imported by every
 process of it, the spawned ranks included) wraps `Sampler.sample` so that rank 1 raises for prompts that start with
@@ -234,3 +236,51 @@ def test_an_idle_leader_keeps_its_followers_past_the_collective_timeout():
                  checkpoint_interval=8, chunked_prefill_tokens=8)
     expected = single.generate([[5, 17, 2, 99]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
     assert results[0] == expected.token_ids
+
+
+def _reporting_rank(conn) -> None:
+    from k3core.serve.liveness import Heartbeat
+    heartbeat = Heartbeat(conn)
+    time.sleep(0.3)                                       # a few beats first
+    heartbeat.fail("rank 1 failed (RuntimeError: boom)")
+    raise SystemExit(3)
+
+
+def test_a_rank_that_fails_reports_why_and_the_watcher_names_it(monkeypatch):
+    """The follower's side (run_follower: a failure is reported, then exit code 3) and the watcher's (the reason
+    and the exit code reach on_failure once), without a model."""
+    import multiprocessing as mp
+
+    from k3core.serve import ranks
+    from k3core.serve.args import ServerArgs
+    from k3core.serve.liveness import RankWatcher, WatchedRank
+
+    class Recorder:
+        def __init__(self):
+            self.reasons: list[str] = []
+
+        def fail(self, reason: str) -> None:
+            self.reasons.append(reason)
+
+    def broken_build(args, rank, setup):
+        raise RuntimeError("the shard does not fit")
+
+    monkeypatch.setattr(ranks, "build_rank_llm", broken_build)
+    recorder = Recorder()
+    with pytest.raises(SystemExit) as exit_info:
+        ranks.run_follower(ServerArgs(), 1, None, recorder)
+    assert exit_info.value.code == ranks.RANK_FAILED_EXIT
+    assert recorder.reasons == ["rank 1 failed (RuntimeError: the shard does not fit)"]
+
+    context = mp.get_context("spawn")
+    read, write = context.Pipe(duplex=False)
+    process = context.Process(target=_reporting_rank, args=(write,), daemon=True)
+    process.start()
+    write.close()
+    failures: list[str] = []
+    done = threading.Event()
+    watcher = RankWatcher([WatchedRank(1, process, read)], timeout_s=30,
+                          on_failure=lambda reason: (failures.append(reason), done.set()))
+    watcher.start()
+    assert done.wait(60), "the watcher never reported the rank's exit"
+    assert failures == [f"rank 1 (pid {process.pid}) exited with exit code 3: rank 1 failed (RuntimeError: boom)"]
