@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import threading
 import time
@@ -45,6 +46,11 @@ def _load_tokenizer(model: str):
     from k3core.config import load_config, resolve_model
     from k3core.tokenizer import load_tokenizer
     return load_tokenizer(resolve_model(model), load_config(model))
+
+
+def _end_node(reason: str) -> None:
+    log.error("this node lost a rank (%s): exiting with code %d", reason, EXIT_ENGINE_DIED)
+    os._exit(EXIT_ENGINE_DIED)             # the main thread may be stuck in a collective with the lost rank
 
 
 @dataclass
@@ -117,6 +123,8 @@ def build_server(args: ServerArgs) -> Server:
             setup = dist_setup(args)
             ranks = start_local_ranks(args, setup)
             if args.node_rank != 0:        # no HTTP here: this process is one more follower rank
+                if ranks:                  # a lost local rank ends this node, which breaks the world for node 0
+                    RankWatcher(ranks, args.rank_heartbeat_timeout, on_failure=_end_node).start()
                 run_follower_node(args, setup)
                 raise SystemExit(0)
         build = functools.partial(build_leader_llm, args, setup)

@@ -2,8 +2,9 @@
 
 Every follower rank gets the write end of a pipe (`Heartbeat`): a thread sends a beat every `HEARTBEAT_S`, and a
 rank that fails reports why before it exits. The server process holds the read ends and each rank's process
-sentinel (`RankWatcher`): a rank that exits (for any reason, while the server runs) or, once its first beat has
-arrived, sends nothing for `timeout_s` while alive ("wedged": stopped, or stuck holding the interpreter) is a
+sentinel (`RankWatcher`): a rank that exits with a non-zero code or a signal (exit code 0 means it left on the
+leader's word: a shutdown, or a leader that is gone, which the engine process's own watch covers) or, once its
+first beat has arrived, sends nothing for `timeout_s` while alive ("wedged": stopped, or stuck holding the interpreter) is a
 failure of the whole engine, since its peers' next collective would hang or raise. The watcher then kills every
 rank it started and calls `on_failure(reason)` once; it never waits on a collective, so a hung leader cannot
 delay it.
@@ -95,12 +96,13 @@ class RankWatcher:
         """A rank found dead within `wait_s`, as a reason, else None: for an engine that just lost a collective
         (its peer's sockets close a moment before its sentinel says so; a healthy world costs the wait)."""
         by_sentinel = {w.process.sentinel: w for w in self.ranks}
-        dead = wait(list(by_sentinel), timeout=wait_s)
-        if not dead:
-            return None
-        watched = by_sentinel[dead[0]]
-        self._drain(watched)
-        return self._exit_reason(watched)
+        for ready in wait(list(by_sentinel), timeout=wait_s):
+            watched = by_sentinel[ready]
+            watched.process.join(timeout=0.5)
+            if watched.process.exitcode != 0:        # exit code 0: it followed a leader that went away
+                self._drain(watched)
+                return self._exit_reason(watched)
+        return None
 
     # ---- the watcher thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -113,9 +115,15 @@ class RankWatcher:
                 elif not self._stopping.is_set():
                     watched = by_sentinel[ready]
                     self._drain(watched)             # a reason it sent just before it went
+                    watched.process.join(timeout=0.5)
+                    if watched.process.exitcode == 0:   # it left on the leader's word (shutdown, or leader gone)
+                        del by_sentinel[ready]
+                        by_conn.pop(watched.conn, None)
+                        self._last_beat.pop(watched.rank, None)
+                        continue
                     return self._fail(self._exit_reason(watched))
             now = time.monotonic()
-            for watched in self.ranks:
+            for watched in by_sentinel.values():
                 last = self._last_beat.get(watched.rank)
                 if last is not None and now - last > self.timeout_s and not self._stopping.is_set():
                     return self._fail(f"rank {watched.rank} (pid {watched.process.pid}) sent no heartbeat for "
