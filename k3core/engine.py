@@ -99,6 +99,7 @@ class ResolvedSample:
     """A sample already on the host (parallel plans: broadcast from the sampler rank)."""
     host: HostSample
     token_ids: None = None
+    failed: dict[int, str] = field(default_factory=dict)     # row -> why sampling it raised (the row's token is junk)
 
     def result(self) -> HostSample:
         return self.host
@@ -112,6 +113,7 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
+    error: str | None = None    # set with finish_reason "error": this request failed, the rest of its batch did not
 
 
 class Engine:
@@ -282,6 +284,9 @@ class Engine:
         for row, request in enumerate(launched.requests):
             if request.is_finished:
                 continue
+            if row in getattr(launched.sample, "failed", {}):
+                outputs.append(self._fail_request(request, launched.sample.failed[row]))
+                continue
             index = len(request.output_token_ids) - request.num_unresolved
             request.output_token_ids[index] = host.token_ids[row]
             request.num_unresolved -= 1
@@ -314,12 +319,42 @@ class Engine:
             sample = self.sampler.sample(logits, rows)
             sample.start_copy()
             return sample
-        host = None
+        resolved = None
         if runner.comm.rank == runner.sampler_rank:
-            sample = self.sampler.sample(logits, rows)
+            resolved = self._sample_rows_apart(logits, rows)
+        return runner.comm.broadcast_object(resolved, src=runner.sampler_rank)
+
+    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SampleRow]) -> ResolvedSample:
+        """The sampler rank's sample of a plan's batch. If sampling the batch raises, each row is sampled alone and
+        the rows that still raise are marked failed: every rank receives the marks with the tokens and fails those
+        requests only, so a poison request neither desynchronises the ranks nor takes its batch down. A row's draw
+        depends on its own seed and position only, so the other rows get the tokens the batch would have given."""
+        def host_sample(logits_rows: torch.Tensor, sample_rows: list[SampleRow]) -> HostSample:
+            sample = self.sampler.sample(logits_rows, sample_rows)
             sample.start_copy()
-            host = sample.result()
-        return ResolvedSample(runner.comm.broadcast_object(host, src=runner.sampler_rank))
+            return sample.result()
+        try:
+            return ResolvedSample(host_sample(logits, rows))
+        except Exception:  # noqa: BLE001 (find the offending rows below; the others are sampled again)
+            pass
+        token_ids, logprobs, failed = [], [], {}
+        for index, row in enumerate(rows):
+            try:
+                one = host_sample(logits[index: index + 1], [row])
+            except Exception as exc:  # noqa: BLE001 (reported to the request, which fails alone)
+                failed[index] = f"sampling this request failed ({type(exc).__name__}: {exc})"
+                token_ids.append(UNRESOLVED_TOKEN)
+                logprobs.append(None)
+                continue
+            token_ids.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+        return ResolvedSample(HostSample(token_ids, logprobs), failed=failed)
+
+    def _fail_request(self, request: Request, error: str) -> StepOutput:
+        """End a request whose step failed (its computed pages are not donated to the cache)."""
+        self.abort(request.request_id)
+        request.finish_reason = "error"
+        return StepOutput(request.request_id, [], True, "error", error=error)
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()

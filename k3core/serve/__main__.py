@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3core.serve.launch import build_server
     server = build_server(args)
     server.run()
-    return 1 if server.engine.error is not None else 0
+    return server.exit_code          # 0, or EXIT_START_FAILED / EXIT_ENGINE_DIED (k3core.serve.launch)
 
 
 def _model_problem(model: str) -> str | None:

@@ -52,6 +52,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None         # host:port of node 0's rank 0 (default: a free loopback port)
+    rank_heartbeat_timeout: float = 5.0       # seconds without a heartbeat before a live rank counts as wedged
 
     @property
     def model_name(self) -> str:
@@ -136,6 +137,9 @@ _HELP = {
     "nnodes": "number of nodes (each starts its local ranks; node 0's first rank serves HTTP)",
     "node_rank": "this node's index among --nnodes",
     "dist_init_addr": "host:port where node 0's first rank listens for the others (required when --nnodes > 1)",
+    "rank_heartbeat_timeout": "seconds a running rank or the engine process may go without a heartbeat before the "
+                              "server counts it as wedged, turns /health to 503 and exits (docs/serving.md, "
+                              "Liveness)",
 }
 
 
@@ -259,6 +263,8 @@ def check_args(args: ServerArgs) -> str | None:
         return f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}"
     if args.nnodes > 1 and not args.dist_init_addr:
         return "--dist-init-addr HOST:PORT is required when --nnodes > 1"
+    if not args.rank_heartbeat_timeout > 0:
+        return f"--rank-heartbeat-timeout {args.rank_heartbeat_timeout} must be a positive number of seconds"
     if plan.world_size > 1 and args.cuda_graphs:
         return "--cuda-graphs needs the whole model on one GPU; drop it under a parallel plan"
     if plan.world_size > 1 and args.memory_bytes is None:

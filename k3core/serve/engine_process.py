@@ -7,12 +7,14 @@ two sides exchange msgspec-encoded messages over two ZMQ PUSH/PULL sockets on pr
 
     server -> engine   Submit, Abort, Flush, Stop
     engine -> server   Ready (model facts or the start-up error), Event (a request's step output), Observe (a
-                       latency/token metric sample), Publish (pool and queue state), Flushed
+                       latency/token metric sample), Publish (pool and queue state), Flushed, Beat (alive),
+                       Failed (the engine loop stopped: why, just before the process exits)
 
 `EngineProcess` keeps each request's sink on the server side and calls it from its receiver thread. The receiver
-also watches the child: if it exits, `error` says how, `/health` answers 503, and every request still in flight
-ends at once with a clear error instead of waiting forever. Under a parallel plan the child is rank 0 (the leader);
-follower ranks run as before.
+also watches the child: if it exits, or stops sending its heartbeat for `heartbeat_timeout_s` while alive (wedged:
+then it is killed), `error` says how, `dead` is set, `/health` answers 503, and every request still in flight ends
+at once with a clear error instead of waiting forever. Under a parallel plan the child is rank 0 (the leader); the
+follower ranks are watched by `k3core.serve.liveness.RankWatcher`, which calls `fail` when one dies or wedges.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -39,6 +42,7 @@ log = logging.getLogger("k3core.serve")
 POLL_MS = 100                 # how often the receiver checks that the engine process is alive
 PARENT_POLL_S = 0.2           # how often the engine process checks that the server process is alive
 ORPHAN_GRACE_S = 10.0         # how long an orphaned engine may take to stop cleanly before it exits anyway
+HEARTBEAT_S = 0.5             # how often the engine process says it is alive
 
 
 # ---- messages ---------------------------------------------------------------------------------------------------
@@ -91,8 +95,16 @@ class Flushed(msgspec.Struct, tag=True):
     result: bool
 
 
+class Beat(msgspec.Struct, tag=True):
+    pass
+
+
+class Failed(msgspec.Struct, tag=True):
+    reason: str
+
+
 ToEngine = Submit | Abort | Flush | Stop
-FromEngine = Ready | Event | Observe | Publish | Flushed
+FromEngine = Ready | Event | Observe | Publish | Flushed | Beat | Failed
 OBSERVERS = ("observe_first_token", "observe_tokens", "observe_finish")
 
 
@@ -115,6 +127,7 @@ class _ForwardingMetrics:
 
 def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_engine: str, from_engine: str) -> None:
     """The child process: an EngineThread's loop on this process's main thread, fed from the command socket."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole group: the server sends Stop instead
     context = zmq.Context()
     out = context.socket(zmq.PUSH)
     out.connect(from_engine)
@@ -130,6 +143,7 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
             out.send(data)
 
     engine = EngineThread(build_llm, _ForwardingMetrics(send), context_length=context_length)
+    engine.on_loop_failure = lambda reason: send(Failed(reason))   # the server fails the requests, with the cause
 
     def sink_for(request_id: str) -> Callable[[EngineEvent], None]:
         def sink(event: EngineEvent) -> None:
@@ -170,10 +184,20 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
         time.sleep(ORPHAN_GRACE_S)
         os._exit(1)
 
+    def beat() -> None:
+        while True:
+            send(Beat())
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="k3core-engine-beat", daemon=True).start()
     threading.Thread(target=report_ready, name="k3core-engine-ready", daemon=True).start()
     threading.Thread(target=read_commands, name="k3core-engine-commands", daemon=True).start()
     threading.Thread(target=watch_parent, args=(os.getppid(),), name="k3core-engine-parent", daemon=True).start()
-    engine._run()                           # returns once Stop arrives (or start-up failed)
+    try:
+        engine._run()                       # returns once Stop arrives (or start-up failed)
+    except BaseException:                   # the loop stopped (e.g. RanksOutOfStep) and sent Failed: let it leave
+        out.close(linger=1000)
+        raise
     if engine.error is not None:
         time.sleep(0.2)                     # let Ready(error) leave before the sockets close
     out.close(linger=1000)
@@ -190,11 +214,17 @@ class EngineProcess:
     """
 
     def __init__(self, build_llm: Callable[[], Any], metrics: ServerMetrics, load_tokenizer: Callable[[], Any],
-                 context_length: int | None = None):
+                 context_length: int | None = None, heartbeat_timeout_s: float = 5.0):
         self.metrics = metrics
         self.ready = threading.Event()
         self.error: str | None = None
         self.info: ModelInfo | None = None
+        self.dead = threading.Event()           # set once the engine can no longer serve (`error` says why)
+        # what else broke when the engine process dies on its own (a rank lost under a plan): a reason, or None
+        self.root_cause: Callable[[], str | None] | None = None
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._last_beat: float | None = None
+        self._fatal_lock = threading.Lock()
         self._load_tokenizer = load_tokenizer
         self._dir = tempfile.mkdtemp(prefix="k3core-engine-")      # mode 0700: only this user reaches the sockets
         self._to_engine = f"ipc://{os.path.join(self._dir, 'to-engine')}"
@@ -272,8 +302,14 @@ class EngineProcess:
     def _receive(self) -> None:
         while True:
             if self._in.poll(POLL_MS):
+                self._last_beat = time.monotonic()              # any message says the process is alive
                 self._dispatch(self._decoder.decode(self._in.recv()))
                 continue
+            silent = None if self._last_beat is None else time.monotonic() - self._last_beat
+            if silent is not None and silent > self.heartbeat_timeout_s and not self._stopping and \
+                    self._process.is_alive():
+                self.fail(f"the engine process (pid {self._process.pid}) sent no heartbeat for {silent:.1f} s "
+                          f"(wedged: stopped or stuck; --rank-heartbeat-timeout {self.heartbeat_timeout_s:g})")
             if not self._process.is_alive():
                 while self._in.poll(0):                         # what it sent before it went
                     self._dispatch(self._decoder.decode(self._in.recv()))
@@ -300,6 +336,9 @@ class EngineProcess:
                 future.set_result(message.result)
         elif isinstance(message, Ready):
             self._ready(message)
+        elif isinstance(message, Failed):      # a lost rank, if any, is the cause of the loop's failure
+            cause = self.root_cause() if self.root_cause is not None else None
+            self._fatal(cause or message.reason)
 
     def _ready(self, message: Ready) -> None:
         if message.error is None:
@@ -313,10 +352,26 @@ class EngineProcess:
         self.metrics.ready = self.error is None
         self.ready.set()
 
+    def fail(self, reason: str) -> None:
+        """Something the engine needs died or wedged (a rank, or the engine process itself): serve no more. The
+        engine process is killed (it may be stuck in a collective with the lost rank). Any thread."""
+        self._fatal(reason)
+        if self._process.is_alive():
+            self._process.kill()
+
     def _died(self) -> None:
-        code = self._process.exitcode
-        self.error = (f"the engine process exited unexpectedly (exit code {code}); the server cannot serve "
-                      "requests until it is restarted")
+        from k3core.serve.liveness import describe_exit
+        cause = self.root_cause() if self.root_cause is not None else None
+        self._fatal(cause or f"the engine process exited unexpectedly (pid {self._process.pid}, "
+                             f"{describe_exit(self._process.exitcode)})")
+
+    def _fatal(self, reason: str) -> None:
+        with self._fatal_lock:
+            if self.dead.is_set():
+                return                          # the first reason is the root cause
+            self.error = (f"{reason}; the server cannot serve requests until it is restarted"
+                          if self.ready.is_set() else reason)
+            self.dead.set()
         log.error("%s", self.error)
         self.metrics.ready = False
         self.ready.set()

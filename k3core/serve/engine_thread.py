@@ -102,6 +102,9 @@ class EngineThread:
         self.ready = threading.Event()             # set after warm-up (or on failure, with `error` set)
         self.error: str | None = None
         self.info: ModelInfo | None = None
+        self.dead = threading.Event()              # set once the engine can no longer serve (`error` says why)
+        # who reports a loop that stopped, if not `fail` here (the engine process: the server, which holds the sinks)
+        self.on_loop_failure: Callable[[str], None] | None = None
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="k3core-engine", daemon=True)
@@ -129,6 +132,19 @@ class EngineThread:
         self._commands.put(command)
         return command.done
 
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve any more (a rank died, or its loop stopped): /health turns 503 and every
+        request in flight ends with `reason`. Any thread; the first reason wins."""
+        if self.dead.is_set():
+            return
+        self.error = reason
+        self.metrics.ready = False
+        self.dead.set()
+        self.ready.set()
+        for request_id, tracked in list(self._tracked.items()):
+            self._tracked.pop(request_id, None)
+            tracked.sink(EngineEvent([], [], True, "error", error=reason))
+
     # ---- the engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -142,11 +158,21 @@ class EngineThread:
             return
         self.metrics.ready = True
         self.ready.set()
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_work)
-            if self.engine.has_work:
-                self._step()
-            self._publish()
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+                elif hasattr(self.engine, "keep_alive"):   # a DistributedEngine: idle followers must hear from it
+                    self.engine.keep_alive()
+                self._publish()
+        except BaseException as exc:   # e.g. RanksOutOfStep: the loop cannot go on; say so instead of dying mute
+            reason = f"the engine loop stopped ({type(exc).__name__}: {exc})"
+            if self.on_loop_failure is not None:
+                self.on_loop_failure(reason)
+            else:
+                self.fail(reason)
+            raise
         for request_id in list(self._tracked):
             self._abort(request_id)
         if hasattr(self.engine, "shutdown"):       # a DistributedEngine: release the follower ranks
@@ -267,7 +293,8 @@ class EngineThread:
                 self.engine.requests.pop(output.request_id, None)
                 self.metrics.observe_finish(*tracked.finish_metrics(now, output.finish_reason or "stop"))
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
-                                     output.finish_reason, request.num_cached_tokens, new_text=output.new_text))
+                                     output.finish_reason, request.num_cached_tokens, error=output.error,
+                                     new_text=output.new_text))
         if self.engine.num_steps == steps_before:
             time.sleep(0.001)      # nothing could be scheduled (waiting on memory): do not spin a core
 

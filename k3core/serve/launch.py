@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -18,9 +20,14 @@ from k3core.serve.app import create_app
 from k3core.serve.args import ServerArgs
 from k3core.serve.engine_process import EngineProcess
 from k3core.serve.engine_thread import EngineThread
+from k3core.serve.liveness import RankWatcher
 from k3core.serve.metrics import ServerMetrics
 
 log = logging.getLogger("k3core.serve")
+
+EXIT_START_FAILED = 1          # the engine could not start (bad model path, option, ...)
+EXIT_ENGINE_DIED = 3           # the engine process or a rank died or wedged while serving: restart the server
+EXIT_GRACE_S = 5.0             # after such a failure, /health answers 503 this long before the server exits
 
 
 def _build_llm(args: ServerArgs):
@@ -41,26 +48,44 @@ def _load_tokenizer(model: str):
     return load_tokenizer(resolve_model(model), load_config(model))
 
 
+def _end_node(reason: str) -> None:
+    log.error("this node lost a rank (%s): exiting with code %d", reason, EXIT_ENGINE_DIED)
+    os._exit(EXIT_ENGINE_DIED)             # the main thread may be stuck in a collective with the lost rank
+
+
 @dataclass
 class Server:
     args: ServerArgs
     engine: EngineThread | EngineProcess
     metrics: ServerMetrics
     uvicorn_server: uvicorn.Server
+    ranks: RankWatcher | None = None       # the follower ranks this process started, under a plan
+    failure: str | None = None             # why the engine stopped serving after it had started
+
+    @property
+    def exit_code(self) -> int:
+        if self.failure is not None:
+            return EXIT_ENGINE_DIED
+        return EXIT_START_FAILED if self.engine.error is not None else 0
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until shut down (blocks). Stops the HTTP side too if the engine fails to start."""
+        """Serve until shut down (blocks). Stops the HTTP side too if the engine fails to start, or (after
+        EXIT_GRACE_S of 503s) if it dies while serving."""
         self.engine.start()
+        if self.ranks is not None:
+            self.ranks.start()
         watcher = threading.Thread(target=self._watch_engine, name="k3core-engine-watch", daemon=True)
         watcher.start()
         try:
             self.uvicorn_server.run(sockets=sockets)
         finally:
+            if self.ranks is not None:
+                self.ranks.stop()          # from here on ranks leave on purpose
             self.engine.stop()
 
     def _watch_engine(self) -> None:
         self.engine.ready.wait()
-        if self.engine.error is not None:
+        if self.engine.error is not None and self.engine.info is None:
             log.error("shutting down: the engine could not start (%s)", self.engine.error)
             self.uvicorn_server.should_exit = True
             return
@@ -69,6 +94,12 @@ class Server:
         log.info("engine ready: model %s%s, context %d tokens, prefix cache %s, pool %.1f MiB",
                  self.args.model, note, info.context_length, "on" if info.prefix_cache else "off",
                  info.capacity_bytes / 2**20)
+        self.engine.dead.wait()
+        self.failure = self.engine.error
+        log.error("the engine stopped serving (%s): /health answers 503; exiting with code %d in %g s",
+                  self.failure, EXIT_ENGINE_DIED, EXIT_GRACE_S)
+        time.sleep(EXIT_GRACE_S)
+        self.uvicorn_server.should_exit = True
 
     def shutdown(self) -> None:
         self.uvicorn_server.should_exit = True
@@ -77,6 +108,7 @@ class Server:
 def build_server(args: ServerArgs) -> Server:
     metrics = ServerMetrics(args.model_name, max_model_len=args.context_length)
     build = functools.partial(_build_llm, args)            # picklable: it may run in the engine process
+    ranks = None
     if args.plan().world_size > 1:
         from k3core.parallel.launch import torchrun_rank
         from k3core.serve.ranks import (build_leader_llm, dist_setup, run_follower, run_follower_node,
@@ -89,8 +121,10 @@ def build_server(args: ServerArgs) -> Server:
                 raise SystemExit(0)
         else:
             setup = dist_setup(args)
-            start_local_ranks(args, setup)
+            ranks = start_local_ranks(args, setup)
             if args.node_rank != 0:        # no HTTP here: this process is one more follower rank
+                if ranks:                  # a lost local rank ends this node, which breaks the world for node 0
+                    RankWatcher(ranks, args.rank_heartbeat_timeout, on_failure=_end_node).start()
                 run_follower_node(args, setup)
                 raise SystemExit(0)
         build = functools.partial(build_leader_llm, args, setup)
@@ -98,9 +132,14 @@ def build_server(args: ServerArgs) -> Server:
         engine = EngineThread(build, metrics, context_length=args.context_length)
     else:
         engine = EngineProcess(build, metrics, functools.partial(_load_tokenizer, args.model),
-                               context_length=args.context_length)
+                               context_length=args.context_length, heartbeat_timeout_s=args.rank_heartbeat_timeout)
+    watcher = None
+    if ranks:
+        watcher = RankWatcher(ranks, args.rank_heartbeat_timeout, on_failure=engine.fail)
+        if isinstance(engine, EngineProcess):
+            engine.root_cause = watcher.check_now
     app = create_app(args, engine, metrics)
     # uvicorn's own access log stays off: k3core.serve.access writes one line per request, with tokens
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=2, access_log=False)
-    return Server(args, engine, metrics, uvicorn.Server(config))
+    return Server(args, engine, metrics, uvicorn.Server(config), watcher)
