@@ -25,6 +25,7 @@ from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
+from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.tuning_ops import target
 
 PAIR_BUFFER_BYTES = 1 << 30
@@ -38,19 +39,40 @@ class Mxfp4Tile(NamedTuple):
     block_k: int                   # a multiple of 2 * SCALE_BLOCK: each half-step covers whole scale groups
     num_warps: int
     num_stages: int
+    swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
+
+
+# Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
+MXFP4_ROW_CLASSES = ((16, "decode"), (96, "mid"), (None, "prefill"))
+# NVIDIA (sm_90) tiles: the hook `python -m bench.moe_mxfp4_sweep` fills. It prints a `paste:` line per class with
+# the fastest tile whose check passed; replace the entry with it (the values below are the ones used before any
+# sweep: the untuned x W^T kernel, 0.37-0.42x the bf16 experts at decode, bench/results/moe-mxfp4-nvidia-h200.md).
+MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "prefill": Mxfp4Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+}
+
+
+def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
+    rows_per_expert = num_pairs / max(1, num_experts)
+    return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
 
 
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
-    """Rows per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill:
-    taller blocks so that each weight tile is dequantised for more rows). Not yet tuned on a GPU. float32
-    activations stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and
-    96 KiB of LDS on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
+    """The launch shape for a call: NVIDIA bf16 from `MXFP4_TILES_NVIDIA` by mean rows per expert; elsewhere rows
+    per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
+    blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
+    stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
+    on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
     rows_per_expert = num_pairs / max(1, num_experts)
+    if target(device) == "interpreter":
+        return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+    if target(device) == "nvidia" and element_size <= 2:
+        return MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
         block_m = min(block_m, 64)
-    if target(device) == "interpreter":
-        return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
     return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
                      num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
 
@@ -184,7 +206,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+    kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
+    kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
@@ -204,7 +227,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+    kernel = _down_swap_kernel if tile.swap else _down_kernel
+    kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
@@ -216,7 +240,9 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
 def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                       w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
                       situ_beta: float | None, situ_linear_beta: float | None,
-                      expert_offset: int = 0) -> torch.Tensor:
+                      expert_offset: int = 0, *, tile: Mxfp4Tile | None = None) -> torch.Tensor:
+    """The op (see `kernels.torch.moe_mxfp4`); `tile` fixes the launch shape (sweeps and tests), else
+    `mxfp4_tile` picks it per token chunk."""
     check_activation(activation, situ_beta)
     hidden_dim, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
     x, w13_packed, w13_scale, w2_packed, w2_scale = (
@@ -231,11 +257,11 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        tile = mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
-        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, tile.block_m)
+        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
+        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
-                         situ_linear_beta, tile)
-        rows_out = down(hidden, w2_packed, w2_scale, blocks, tile)
+                         situ_linear_beta, chunk_tile)
+        rows_out = down(hidden, w2_packed, w2_scale, blocks, chunk_tile)
         combine_expert_rows(rows_out, blocks.row_of_pair, weights[start:end], ids, expert_offset, num_experts,
                             out[start:end])
     return out

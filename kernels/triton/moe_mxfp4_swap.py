@@ -1,0 +1,132 @@
+"""MXFP4 expert GEMMs with the weight as the dot's first operand ("swap AB"): out^T = W x^T per row block.
+
+Why: at decode an expert has one to a few rows, so `kernels.triton.moe_mxfp4`'s x W^T dot is [16, K] x [K, BLOCK_N]
+with at most a few useful rows, and its dequantised weight is the second operand, which on sm_90 wgmma reads from
+shared memory: every decoded weight takes a register -> shared memory -> MMA trip. Here the weight tile
+[BLOCK_N, HALF_K] is the first operand (wgmma's A may sit in registers, so the decode feeds the MMA directly), the
+few token rows are the dot's narrow N (16 and up), and the weight bytes are read along their contiguous K, 16 bytes
+per row and scale group. At prefill the same kernel takes tall row blocks (BLOCK_M 64-256 as the dot's N), each
+decoded weight tile reused by all of them.
+
+Decoding a byte: the low nibble is column 2j, the high nibble 2j + 1 (`k3core.model.mxfp4`). The three magnitude
+bits of a code placed at bits 9-11 of a float16 and its sign at bit 15 make the float16 code * 2^-14 exactly
+(index 1, 0.5, becomes the float16 subnormal 2^-15, which the float16 -> float32 conversion keeps exactly), so a
+code costs two masks, two shifts and an or instead of a select over the magnitude index. It is then scaled by 2^14
+and by its E8M0 scale in float32 (in that order, so no subnormal intermediate) and cast to x's dtype; the two
+half-K dots (even columns of x against the low nibbles, odd ones against the high) need no nibble interleave.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.activation import glu_f32
+
+
+@triton.jit
+def _e8m0_f32(scale):
+    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
+    byte = tl.minimum(scale, 254)
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_code(bits):
+    """int32 float16 bit patterns of code * 2^-14 -> the code as float32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
+    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero."""
+    j = tl.arange(0, HALF_K)
+    mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]     # num_k is a multiple of 32: both halves
+    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
+    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)   # [BLOCK_N, HALF_K]
+    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
+    g = tl.arange(0, GROUPS)
+    scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
+    scale = _e8m0_f32(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32))
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
+    low = _f16_code(((byte & 7) << 9) | ((byte & 8) << 12))
+    high = _f16_code(((byte & 0x70) << 5) | ((byte & 0x80) << 8))
+    return (low * scale).to(DTYPE), (high * scale).to(DTYPE)
+
+
+@triton.jit
+def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                         hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
+                         TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
+    stored in x's dtype at the sorted rows."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
+    x_cols = x_ptr + (pairs // TOP_K)[None, :].to(tl.int64) * x_row_stride          # x^T: [k, row]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
+    col_mask = cols < inter_dim
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    j = tl.arange(0, HALF_K)
+    for k_start in range(0, hidden_dim, BLOCK_K):
+        k_even = k_start + 2 * j
+        x_mask = (k_even < hidden_dim)[:, None] & row_mask[None, :]
+        x_even = tl.load(x_cols + k_even[:, None], mask=x_mask, other=0.0)             # [HALF_K, BLOCK_M]
+        x_odd = tl.load(x_cols + (k_even + 1)[:, None], mask=x_mask, other=0.0)
+        gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                           scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
+                                           hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+        up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                       scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                       hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+        acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
+        acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
+        acc_up = tl.dot(up_high, x_odd, acc_up, input_precision="ieee")
+    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
+    tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
+    sorted rows."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    h_cols = hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride               # hidden^T: [k, row]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
+    col_mask = cols < hidden_dim
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    j = tl.arange(0, HALF_K)
+    for k_start in range(0, inter_dim, BLOCK_K):
+        k_even = k_start + 2 * j
+        h_mask = (k_even < inter_dim)[:, None] & row_mask[None, :]
+        h_even = tl.load(h_cols + k_even[:, None], mask=h_mask, other=0.0)             # [HALF_K, BLOCK_M]
+        h_odd = tl.load(h_cols + (k_even + 1)[:, None], mask=h_mask, other=0.0)
+        w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty)
+        acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
+        acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
+    tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
+             mask=col_mask[:, None] & row_mask[None, :])
