@@ -40,6 +40,7 @@ class Mxfp4Tile(NamedTuple):
     num_warps: int
     num_stages: int
     swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
+    split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -97,17 +98,22 @@ def _e8m0_f32(scale):
 @triton.jit
 def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DTYPE: tl.constexpr):
+                DTYPE: tl.constexpr, EVEN_K: tl.constexpr = False):
     """W^T of output columns `rows` for K columns [k_start, k_start + 2 * HALF_K) of one expert, as (even k, odd k)
     tiles [HALF_K, BLOCK_N] in DTYPE. Masked columns (past num_k or past the rows) are zero."""
     j = tl.arange(0, HALF_K)
-    k_mask = k_start + 2 * j < num_k                                   # num_k is a multiple of 32: both halves
-    mask = k_mask[:, None] & row_mask[None, :]
+    if EVEN_K:                       # no K mask (a broadcast one is constant along K: whole-vector loads)
+        mask = row_mask[None, :]
+    else:
+        mask = (k_start + 2 * j < num_k)[:, None] & row_mask[None, :]   # num_k is a multiple of 32: both halves
     packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[None, :].to(tl.int64) * packed_row_stride
     byte = tl.load(packed_rows + (k_start // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)   # [HALF_K, BLOCK_N]
     GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
     g = tl.arange(0, GROUPS)
-    scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
+    if EVEN_K:
+        scale_mask = row_mask[None, :]
+    else:
+        scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[None, :].to(tl.int64) * scale_row_stride
     scale = tl.load(scale_rows + (k_start // 32 + g)[:, None], mask=scale_mask, other=127).to(tl.int32)
     scale = _e8m0_f32(scale)                                                                      # [GROUPS, BLOCK_N]
@@ -122,7 +128,8 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
                     x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                     hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                     TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of I): gate and up columns of W13 in one K loop, the GLU in float32, stored in
     x's dtype at the sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -141,15 +148,15 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
     j = tl.arange(0, HALF_K)
     for k_start in range(0, hidden_dim, BLOCK_K):
         k_even = k_start + 2 * j
-        x_mask = row_mask[:, None] & (k_even < hidden_dim)[None, :]
+        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < hidden_dim)[None, :]
         x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)           # [BLOCK_M, HALF_K]
         x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
         gate_low, gate_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                           scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
-                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         up_low, up_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                       scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         acc_gate = tl.dot(x_even, gate_low, acc_gate, input_precision="ieee")
         acc_gate = tl.dot(x_odd, gate_high, acc_gate, input_precision="ieee")
         acc_up = tl.dot(x_even, up_low, acc_up, input_precision="ieee")
@@ -163,7 +170,8 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
 def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                  hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                  rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of D): the W2 GEMM over I, stored in float32 at the sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
@@ -179,12 +187,12 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
     j = tl.arange(0, HALF_K)
     for k_start in range(0, inter_dim, BLOCK_K):
         k_even = k_start + 2 * j
-        h_mask = row_mask[:, None] & (k_even < inter_dim)[None, :]
+        h_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < inter_dim)[None, :]
         h_even = tl.load(h_rows + k_even[None, :], mask=h_mask, other=0.0)             # [BLOCK_M, HALF_K]
         h_odd = tl.load(h_rows + (k_even + 1)[None, :], mask=h_mask, other=0.0)
         w_low, w_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty)
+                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
         acc = tl.dot(h_even, w_low, acc, input_precision="ieee")
         acc = tl.dot(h_odd, w_high, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :], acc,
@@ -214,8 +222,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         float(situ_beta if situ_beta is not None else 1.0),
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return hidden
 
 
@@ -232,8 +240,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return rows_out
 
 

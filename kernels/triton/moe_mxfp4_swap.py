@@ -39,16 +39,24 @@ def _f16_code(bits):
 @triton.jit
 def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                  scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DTYPE: tl.constexpr):
+                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
     """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
-    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero."""
+    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
+    of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
+    load; the row mask is constant along them."""
     j = tl.arange(0, HALF_K)
-    mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]     # num_k is a multiple of 32: both halves
+    if EVEN_K:
+        mask = row_mask[:, None]                                        # broadcast: constant along K
+    else:
+        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]  # num_k is a multiple of 32: both halves
     packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
     byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)   # [BLOCK_N, HALF_K]
     GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
     g = tl.arange(0, GROUPS)
-    scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+    if EVEN_K:
+        scale_mask = row_mask[:, None]
+    else:
+        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
     scale = _e8m0_f32(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32))
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
@@ -58,11 +66,37 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
 
 
 @triton.jit
+def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
+            SPLIT_X: tl.constexpr):
+    """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
+    to each row's first element), as the dot's second operands [HALF_K, BLOCK_M]. SPLIT_X loads the contiguous
+    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; otherwise two stride-2 loads."""
+    if SPLIT_X:
+        ks = k_start + tl.arange(0, 2 * HALF_K)
+        if EVEN_K:
+            mask = row_mask[:, None]
+        else:
+            mask = row_mask[:, None] & (ks < num_k)[None, :]
+        tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)           # [BLOCK_M, 2 * HALF_K]
+        even, odd = tl.split(tl.reshape(tile, (BLOCK_M, HALF_K, 2)))
+        return tl.trans(even), tl.trans(odd)
+    k_even = k_start + 2 * tl.arange(0, HALF_K)
+    if EVEN_K:
+        mask = row_mask[None, :]
+    else:
+        mask = (k_even < num_k)[:, None] & row_mask[None, :]
+    even = tl.load(row_ptrs[None, :] + k_even[:, None], mask=mask, other=0.0)          # [HALF_K, BLOCK_M]
+    odd = tl.load(row_ptrs[None, :] + (k_even + 1)[:, None], mask=mask, other=0.0)
+    return even, odd
+
+
+@triton.jit
 def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                          hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                          TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -73,23 +107,19 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
-    x_cols = x_ptr + (pairs // TOP_K)[None, :].to(tl.int64) * x_row_stride          # x^T: [k, row]
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride                   # [BLOCK_M] row starts
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
     col_mask = cols < inter_dim
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    j = tl.arange(0, HALF_K)
     for k_start in range(0, hidden_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        x_mask = (k_even < hidden_dim)[:, None] & row_mask[None, :]
-        x_even = tl.load(x_cols + k_even[:, None], mask=x_mask, other=0.0)             # [HALF_K, BLOCK_M]
-        x_odd = tl.load(x_cols + (k_even + 1)[:, None], mask=x_mask, other=0.0)
+        x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
         gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                            scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
-                                           hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                           hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                       hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                       hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
         acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
         acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
@@ -103,7 +133,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
     sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -113,19 +144,15 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
-    h_cols = hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride               # hidden^T: [k, row]
+    h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride                     # [BLOCK_M] row starts
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
     col_mask = cols < hidden_dim
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    j = tl.arange(0, HALF_K)
     for k_start in range(0, inter_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        h_mask = (k_even < inter_dim)[:, None] & row_mask[None, :]
-        h_even = tl.load(h_cols + k_even[:, None], mask=h_mask, other=0.0)             # [HALF_K, BLOCK_M]
-        h_odd = tl.load(h_cols + (k_even + 1)[:, None], mask=h_mask, other=0.0)
+        h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
         w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                      scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty)
+                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
         acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
         acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
