@@ -7,8 +7,9 @@ One process: the experts (112 local, latent 3584, width 3072, top-16; bf16 weigh
 op holding their exact dequantised values) are built once; for each case (decode at 1, 4, 16, 64 tokens, prefill at
 512 and 1024 tokens = 8192 and 16384 routed rows) every tile of its row class (`moe_mxfp4.MXFP4_ROW_CLASSES`) runs
 the whole `moe_experts_mxfp4` op with that tile and is checked against the float64 reference (`kernels.torch.
-moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the case's own inputs; a tile whose
-check fails (or that does not compile or launch) is never timed. Checked tiles are timed as the bench times them
+moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the case's own inputs, and once on the
+conformance case's extreme scales (`ExtremesCheck`); a tile that fails either check (or does not compile or
+launch) is never timed. Checked tiles are timed as the bench times them
 (`bench.timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
 op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
@@ -42,20 +43,20 @@ ACT = ("situ", 4.0, 25.0)
 
 
 def _tiles() -> dict[str, list]:
-    """The candidates of each row class: the x W^T kernel as it was and as the table has it, and the swap-AB kernel
-    over its block shapes (all compile for sm_90 within shared memory: bench.kernel_resources)."""
+    """The candidates of each row class: the x W^T kernel as the table had it, and the swap-AB kernel over block
+    shapes that compile for sm_90 without spilling (bench.kernel_resources; swap prefill tiles of 128 x 128
+    spilled hundreds of bytes and are left out; the x W^T prefill tiles are the table's, spills and all), with in-register decode, split x loads or `tl.dot_scaled`."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    swap = dict(swap=True)
+    swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
     decode = [tile(16, 64, 128, 4, 3), tile(16, 128, 128, 4, 3),
-              tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 4, **swap), tile(16, 64, 256, 4, 3, **swap),
-              tile(16, 128, 128, 4, 3, **swap), tile(16, 128, 128, 8, 3, **swap), tile(16, 128, 256, 8, 3, **swap),
-              tile(16, 64, 128, 4, 3, True, True), tile(16, 128, 128, 8, 3, True, True),
-              tile(16, 64, 256, 4, 4, True, True), tile(32, 64, 128, 4, 3, **swap)]
-    prefill = [tile(64, 64, 128, 4, 3), tile(128, 128, 128, 8, 3),
-               tile(64, 128, 128, 4, 3, **swap), tile(128, 128, 128, 8, 3, **swap), tile(128, 128, 64, 8, 3, **swap),
-               tile(128, 64, 128, 4, 3, **swap), tile(64, 128, 128, 8, 3, True, True),
-               tile(128, 128, 128, 8, 3, True, True), tile(256, 128, 64, 8, 3, **swap),
-               tile(128, 256, 64, 8, 3, **swap)]
+              tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 4, **swap), tile(16, 64, 64, 4, 4, **swap),
+              tile(16, 32, 128, 4, 3, **swap), tile(16, 128, 128, 8, 3, **swap), tile(16, 64, 128, 4, 3, **split),
+              tile(16, 64, 128, 4, 4, **split), tile(16, 64, 128, 4, 3, **scaled), tile(16, 64, 128, 4, 4, **scaled),
+              tile(16, 128, 128, 4, 3, **scaled), tile(16, 64, 256, 4, 3, **scaled), tile(32, 64, 128, 4, 3, **swap)]
+    prefill = [tile(64, 64, 128, 4, 3), tile(64, 64, 64, 4, 3), tile(128, 128, 128, 8, 3),
+               tile(64, 64, 128, 4, 3, **swap), tile(128, 64, 64, 8, 3, **swap), tile(128, 64, 64, 8, 3, **split),
+               tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 3, **scaled), tile(128, 64, 64, 8, 3, **scaled),
+               tile(128, 64, 128, 8, 3, **scaled)]
     return {"decode": decode, "mid": prefill, "prefill": prefill}
 
 
@@ -71,12 +72,42 @@ class Result:
     row_class: str
     tokens: int
     tile: list                  # Mxfp4Tile fields, in order
-    status: str                 # "ok" | "check failed" | "error"
+    status: str                 # "ok" | "check failed" | "extremes failed" | "error"
     error: float | None         # max |op - float64| / max |float64|
     ms: float | None
     speedup: float | None       # bf16 ms / this ms
     copy_fraction: float | None  # packed bytes read (codes + scales of the touched experts, x in, y out) / time
     note: str = ""
+
+
+class ExtremesCheck:
+    """Each tile once on the conformance case's extreme scales (bytes 0, 254 and 255 with x of 2^-126 against the
+    254 block: `conformance.cases.build_moe_experts_mxfp4`, extremes=True) at dims that are not all multiples of
+    the K step, against the float64 reference on the same rounded inputs, with the op's conformance tolerance."""
+
+    def __init__(self, ctx):
+        build = load("conformance.cases:build_moe_experts_mxfp4")
+        self.tolerance = load("conformance.tolerances:tolerance")("moe_experts_mxfp4", "out", ctx.dtype)
+        # top_k and the activation as in the timed cases, so that the check reuses their compiled kernels
+        dims = dict(T=8, D=64, I=64, E=8, top_k=4) if ctx.smoke else dict(T=48, D=384, I=384, E=16, top_k=16)
+        call = build(dict(dims, activation="situ", extremes=True), torch.Generator().manual_seed(7))
+        args = call.args
+        self.x = args["x"].to(device=ctx.device, dtype=ctx.dtype)
+        self.weights = args["weights"].to(device=ctx.device, dtype=torch.float32)   # pinned float32 (the case's)
+        self.rest = [args[k].to(ctx.device) for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
+        self.ids = args["expert_ids"].to(ctx.device)
+        reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
+        self.want = reference(self.x.double(), *self.rest, self.weights.double(), self.ids, *ACT).cpu()
+        self.done: dict[tuple, float] = {}
+
+    def worst(self, op, tile) -> float:
+        """max |op - reference| / (atol + rtol |reference|): <= 1 passes."""
+        if tuple(tile) not in self.done:
+            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=tile).double().cpu()
+            bound = self.tolerance.atol + self.tolerance.rtol * self.want.abs()
+            self.done[tuple(tile)] = (float(((got - self.want).abs() / bound).max()) if torch.isfinite(got).all()
+                                      else math.inf)
+        return self.done[tuple(tile)]
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -86,7 +117,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed: dict, copy_tbps: float,
-             timer) -> tuple[list[Result], float]:
+             timer, extremes: ExtremesCheck) -> tuple[list[Result], float]:
     mxfp4_op = load("kernels.triton.moe_mxfp4:moe_experts_mxfp4")
     bf16_op = load("kernels.triton.moe_experts:moe_experts")
     reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
@@ -118,6 +149,7 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
         started = time.perf_counter()
         try:
             error = _relative_error(call(), want)
+            extreme = extremes.worst(mxfp4_op, tile)
         except Exception as exc:  # noqa: BLE001  (a tile that cannot compile or launch is a finding, not a crash)
             results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
                                   f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
@@ -128,10 +160,16 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
                                   f"error {error:.2e} > {tolerance:.0e}: not timed"))
             print(f"  {tuple(tile)}: CHECK FAILED ({error:.2e}), not timed", flush=True)
             continue
+        if not extreme <= 1.0:
+            results.append(Result(label, row_class, tokens, list(tile), "extremes failed", error, None, None, None,
+                                  f"extreme scales at {extreme:.2f}x the conformance bound: not timed"))
+            print(f"  {tuple(tile)}: EXTREMES CHECK FAILED ({extreme:.2f}x the bound), not timed", flush=True)
+            continue
         ms = timed(call).ms
         fraction = packed_bytes / (ms * 1e-3) / (copy_tbps * 1e12)
         results.append(Result(label, row_class, tokens, list(tile), "ok", error, ms, bf16_ms / ms, fraction,
-                              f"first call + check {time.perf_counter() - started:.1f} s"))
+                              f"extremes {extreme:.2f}x bound; first call + checks "
+                              f"{time.perf_counter() - started:.1f} s"))
         print(f"  {tuple(tile)}: {ms:.4f} ms, {bf16_ms / ms:.2f}x bf16, {fraction:.1%} of copy, error {error:.1e}",
               flush=True)
     return results, bf16_ms
@@ -158,7 +196,7 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x) | ms | vs bf16 | packed of copy | error |",
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled) | ms | vs bf16 | packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
         rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))
@@ -175,7 +213,7 @@ def summary(results: list[Result], bf16: dict[str, float]) -> str:
         lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
         lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
                      f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
-                     f"split_x={t.split_x}),")
+                     f"split_x={t.split_x}, scaled={t.scaled}),")
     return "\n".join(lines)
 
 
@@ -198,6 +236,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
               if ("decode" if row_class(t * shape["top_k"], shape["experts"]) == "decode" else "prefill") in phases]
     ceilings = measure_ceilings(timer, ctx.dtype, args.smoke)
     packed = expert_weights(ctx, shape)
+    extremes = ExtremesCheck(ctx)
     print(f"experts built in {time.perf_counter() - started:.1f} s; copy {ceilings.copy_tbps:.2f} TB/s", flush=True)
     import triton
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
@@ -211,7 +250,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     bf16: dict[str, float] = {}
     for t in tokens:
         cls = row_class(t * shape["top_k"], shape["experts"])
-        case_results, bf16_ms = run_case(ctx, shape, t, tiles[cls], cls, packed, ceilings.copy_tbps, timer)
+        case_results, bf16_ms = run_case(ctx, shape, t, tiles[cls], cls, packed, ceilings.copy_tbps, timer,
+                                             extremes)
         results += case_results
         bf16[case_results[0].case] = bf16_ms
         path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],

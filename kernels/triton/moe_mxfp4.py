@@ -26,7 +26,7 @@ from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
-from kernels.triton.tuning_ops import target
+from kernels.triton.tuning_ops import current_arch, target
 
 PAIR_BUFFER_BYTES = 1 << 30
 SCALE_BLOCK = 32                   # columns per E8M0 scale
@@ -41,6 +41,7 @@ class Mxfp4Tile(NamedTuple):
     num_stages: int
     swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
     split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
+    scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -55,13 +56,27 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 }
 
 
+# sm_100 and gfx950 (bf16 / fp16 activations): `tl.dot_scaled` on the packed bytes, the brief's "native MXFP4"
+# targets. With bf16 activations Triton 3.6 lowers it there by upcasting the e2m1 operand in its own decode
+# (fp4_to_fp on sm_100, amdg.scaled_upcast_fp on gfx950, in the offline TTGIR): both MMA operands must be MX
+# formats for the native MXFP4 MMA. Compiled offline for both (tests/test_offline_compile.py), never run there;
+# its numerics are Triton's on every target and are checked on sm_90 by bench.moe_mxfp4_sweep (scaled tiles).
+DOT_SCALED_ARCHES = ("sm_100", "gfx950")
+MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
+    "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+}
+
+
 def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
     rows_per_expert = num_pairs / max(1, num_experts)
     return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
 
 
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
-    """The launch shape for a call: NVIDIA bf16 from `MXFP4_TILES_NVIDIA` by mean rows per expert; elsewhere rows
+    """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert; elsewhere rows
     per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
     blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
     stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
@@ -69,6 +84,8 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
     rows_per_expert = num_pairs / max(1, num_experts)
     if target(device) == "interpreter":
         return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+    if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
+        return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
         return MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
@@ -199,10 +216,17 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+def _scaled(tile: Mxfp4Tile) -> dict:
+    return {"SCALED": tile.scaled} if tile.swap else {}
+
+
 def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
+    if (tile.split_x or tile.scaled) and not tile.swap:
+        raise ValueError(f"moe_experts_mxfp4: split_x and scaled are options of the swap kernel; set swap=True, "
+                         f"got {tile}")
 
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
@@ -210,6 +234,9 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             tile: Mxfp4Tile) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
     _check_tile(tile)
+    if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
+                         "tile with scaled=False")
     num_experts, two_inter, _ = w13_packed.shape
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
@@ -223,7 +250,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
     return hidden
 
 
@@ -241,7 +268,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
     return rows_out
 
 

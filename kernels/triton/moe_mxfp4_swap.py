@@ -91,14 +91,70 @@ def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
+def _scaled_dot(acc, packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                scale_row_stride, rows, row_mask, k_start, num_k, x_t, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_K: tl.constexpr, X_FORMAT: tl.constexpr):
+    """acc + W[rows, k_start:k_start + 2 * HALF_K] x_t through `tl.dot_scaled`: the packed bytes and E8M0 scales
+    go to the MMA as they are (native MXFP4 on sm_100 / gfx950; elsewhere Triton upcasts them to bf16 itself).
+    Scale byte 255 is clamped to 254 first, as `k3core.model.mxfp4` reads it (E8M0 255 is NaN)."""
+    j = tl.arange(0, HALF_K)
+    if EVEN_K:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]
+    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
+    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)               # [BLOCK_N, HALF_K]
+    GROUPS: tl.constexpr = HALF_K // 16
+    g = tl.arange(0, GROUPS)
+    if EVEN_K:
+        scale_mask = row_mask[:, None]
+    else:
+        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
+    scale = tl.minimum(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127), 254)
+    return tl.dot_scaled(byte, scale.to(tl.uint8), "e2m1", x_t, None, X_FORMAT, acc)
+
+
+@triton.jit
+def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K columns [k_start, k_start + BLOCK_K) of the rows behind `row_ptrs` [BLOCK_M], as [BLOCK_K, BLOCK_M]."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = row_mask[None, :]
+    else:
+        mask = (ks < num_k)[:, None] & row_mask[None, :]
+    return tl.load(row_ptrs[None, :] + ks[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert, packed_expert_stride,
+                  packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
+                  inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+    """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up)."""
+    x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+    gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                       scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
+                                       HALF_K, BLOCK_N, DTYPE, EVEN_K)
+    up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                   scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K)
+    acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
+    acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
+    acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
+    acc_up = tl.dot(up_high, x_odd, acc_up, input_precision="ieee")
+    return acc_gate, acc_up
+
+
+@triton.jit
 def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                          hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                          TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
-    stored in x's dtype at the sorted rows."""
+    stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -112,18 +168,21 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     col_mask = cols < inter_dim
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
     for k_start in range(0, hidden_dim, BLOCK_K):
-        x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
-        gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                           scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
-                                           hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
-        up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                       scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                       hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
-        acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
-        acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
-        acc_up = tl.dot(up_high, x_odd, acc_up, input_precision="ieee")
+        if SCALED:
+            x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
+            acc_gate = _scaled_dot(acc_gate, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                   scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim, x_t,
+                                   HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+            acc_up = _scaled_dot(acc_up, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                 scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                 hidden_dim, x_t, HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+        else:
+            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
+                                             packed_expert_stride, packed_row_stride, scale_expert_stride,
+                                             scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
+                                             HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X)
     hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
@@ -134,9 +193,9 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
-    sorted rows."""
+    sorted rows. SCALED: through `tl.dot_scaled`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -148,12 +207,19 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
     col_mask = cols < hidden_dim
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    X_FORMAT: tl.constexpr = "fp16" if hidden_ptr.dtype.element_ty == tl.float16 else "bf16"
     for k_start in range(0, inter_dim, BLOCK_K):
-        h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
-        w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
-        acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
-        acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
+        if SCALED:
+            h_t = _rows_k(h_rows, row_mask, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
+            acc = _scaled_dot(acc, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                              scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim, h_t, HALF_K,
+                              BLOCK_N, EVEN_K, X_FORMAT)
+        else:
+            h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+            w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                         scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                         HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
+            acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
+            acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
              mask=col_mask[:, None] & row_mask[None, :])
