@@ -12,6 +12,18 @@ BLOCK_K dot. A code becomes a float32 by building its bits (sign, exponent, one 
 s becomes 2^(s - 127) the same way (byte 0 is the subnormal 2^-127, byte 255 reads as 254 as in
 `k3core.model.mxfp4`); their product is cast to x's dtype (bf16 on the GPU) for `tl.dot` with float32
 accumulation. A scale covers 32 columns, i.e. 16 bytes of a row: one scale load per 16 bytes, broadcast.
+When K is a multiple of BLOCK_K (K3: 3584 and 3072) the loads carry no K mask (EVEN_K): a mask that varies along
+the contiguous bytes makes each byte its own load and keeps Triton from pipelining the loop.
+
+Numerics in bf16: the expert hidden (the GLU output) is stored in x's dtype between the two GEMMs, so a bf16 call
+rounds it to bf16 (2^-9 relative) before the down GEMM; the float64 oracle (`kernels.torch.moe_mxfp4`) does not,
+and the conformance tolerance covers that rounding for hidden values of O(1).
+
+Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): this x W^T kernel; the swap-AB kernels of
+`kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from registers:
+`swap`), optionally with x loaded contiguously and split (`split_x`) or with `tl.dot_scaled` on the packed bytes
+(`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950). `bench.moe_mxfp4_sweep` checks and times them
+on the GPU and prints the winners for `MXFP4_TILES_NVIDIA`.
 """
 from __future__ import annotations
 
