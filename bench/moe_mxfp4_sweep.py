@@ -45,18 +45,20 @@ ACT = ("situ", 4.0, 25.0)
 def _tiles() -> dict[str, list]:
     """The candidates of each row class: the x W^T kernel as the table had it, and the swap-AB kernel over block
     shapes that compile for sm_90 without spilling (bench.kernel_resources; swap prefill tiles of 128 x 128
-    spilled hundreds of bytes and are left out; the x W^T prefill tiles are the table's, spills and all), with in-register decode, split x loads or `tl.dot_scaled`."""
+    spilled hundreds of bytes and are left out; the x W^T prefill tiles are the table's, spills and all), with in-register decode (float32 or float16 / bf16 pair math), split x loads or `tl.dot_scaled`."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
+    half = dict(swap=True, half_math=True)
     decode = [tile(16, 64, 128, 4, 3), tile(16, 128, 128, 4, 3),
               tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 4, **swap), tile(16, 64, 64, 4, 4, **swap),
               tile(16, 32, 128, 4, 3, **swap), tile(16, 128, 128, 8, 3, **swap), tile(16, 64, 128, 4, 3, **split),
               tile(16, 64, 128, 4, 4, **split), tile(16, 64, 128, 4, 3, **scaled), tile(16, 64, 128, 4, 4, **scaled),
-              tile(16, 128, 128, 4, 3, **scaled), tile(16, 64, 256, 4, 3, **scaled), tile(32, 64, 128, 4, 3, **swap)]
+              tile(16, 128, 128, 4, 3, **scaled), tile(16, 64, 256, 4, 3, **scaled), tile(32, 64, 128, 4, 3, **swap),
+              tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half)]
     prefill = [tile(64, 64, 128, 4, 3), tile(64, 64, 64, 4, 3), tile(128, 128, 128, 8, 3),
                tile(64, 64, 128, 4, 3, **swap), tile(128, 64, 64, 8, 3, **swap), tile(128, 64, 64, 8, 3, **split),
                tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 3, **scaled), tile(128, 64, 64, 8, 3, **scaled),
-               tile(128, 64, 128, 8, 3, **scaled)]
+               tile(128, 64, 128, 8, 3, **scaled), tile(128, 64, 64, 8, 3, **half), tile(64, 64, 128, 4, 3, **half)]
     return {"decode": decode, "mid": prefill, "prefill": prefill}
 
 
@@ -196,7 +198,7 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled) | ms | vs bf16 | packed of copy | error |",
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math) | ms | vs bf16 | packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
         rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))
@@ -213,7 +215,7 @@ def summary(results: list[Result], bf16: dict[str, float]) -> str:
         lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
         lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
                      f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
-                     f"split_x={t.split_x}, scaled={t.scaled}),")
+                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}),")
     return "\n".join(lines)
 
 

@@ -117,6 +117,21 @@ def test_scale_extremes_and_byte_255():
     assert ((moved - want).abs() > 100 * (ATOL + RTOL * (want.abs() + want.abs().max()))).any()
 
 
+def test_tile_options_that_cannot_apply_are_refused():
+    """split_x / scaled / half_math belong to the swap kernel, and scaled / half_math to 16-bit activations: a tile
+    asking for them elsewhere is refused by name rather than silently run as another kernel."""
+    gen = torch.Generator().manual_seed(15)
+    w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
+    w2_packed, w2_scale = _random_experts(gen, 2, 64, 32)
+    x, ids, weights = torch.randn(3, 64, generator=gen), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    for tile, match in ((SWAP_TILE._replace(swap=False, split_x=True), "swap=True"),
+                        (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
+                        (SWAP_TILE._replace(half_math=True), "needs bf16")):
+        with pytest.raises(ValueError, match=match):
+            moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
+                                        25.0, tile=tile)
+
+
 def test_empty_batch_and_shape_errors():
     gen = torch.Generator().manual_seed(14)
     w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)

@@ -54,6 +54,7 @@ class Mxfp4Tile(NamedTuple):
     swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
     split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
     scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
+    half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -229,16 +230,16 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
 
 
 def _scaled(tile: Mxfp4Tile) -> dict:
-    return {"SCALED": tile.scaled} if tile.swap else {}
+    return {"SCALED": tile.scaled, "HALF_MATH": tile.half_math} if tile.swap else {}
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
-    if (tile.split_x or tile.scaled) and not tile.swap:
-        raise ValueError(f"moe_experts_mxfp4: split_x and scaled are options of the swap kernel; set swap=True, "
-                         f"got {tile}")
+    if (tile.split_x or tile.scaled or tile.half_math) and not tile.swap:
+        raise ValueError(f"moe_experts_mxfp4: split_x, scaled and half_math are options of the swap kernel; set "
+                         f"swap=True, got {tile}")
 
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
@@ -249,6 +250,9 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
                          "tile with scaled=False")
+    if tile.half_math and x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_experts_mxfp4: half_math decodes to bf16 and needs bf16 activations, got {x.dtype}; "
+                         "use a tile with half_math=False")
     num_experts, two_inter, _ = w13_packed.shape
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()

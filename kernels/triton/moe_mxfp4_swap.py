@@ -39,7 +39,7 @@ def _f16_code(bits):
 @triton.jit
 def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                  scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False):
     """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
     [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
     of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
@@ -59,10 +59,18 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
         scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
     scale = _e8m0_f32(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32))
+    low_bits = ((byte & 7) << 9) | ((byte & 8) << 12)
+    high_bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    if HALF_MATH:
+        # bf16 only: the code in float16 (x 2^14 is exact there: |code| <= 6), then x the scale in bf16 (exact:
+        # a power of two, 2^-127 a bf16 subnormal), two elements per instruction; the same values as below
+        scale_bf16 = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (BLOCK_N, GROUPS, 16)),
+                                (BLOCK_N, HALF_K))
+        low = (low_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
+        high = (high_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
+        return low * scale_bf16, high * scale_bf16
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
-    low = _f16_code(((byte & 7) << 9) | ((byte & 8) << 12))
-    high = _f16_code(((byte & 0x70) << 5) | ((byte & 0x80) << 8))
-    return (low * scale).to(DTYPE), (high * scale).to(DTYPE)
+    return (_f16_code(low_bits) * scale).to(DTYPE), (_f16_code(high_bits) * scale).to(DTYPE)
 
 
 @triton.jit
@@ -130,15 +138,15 @@ def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: t
 def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert, packed_expert_stride,
                   packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                   inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr):
     """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up)."""
     x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
     gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
-                                       HALF_K, BLOCK_N, DTYPE, EVEN_K)
+                                       HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH)
     up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                    scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K)
+                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH)
     acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
     acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
     acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
@@ -152,7 +160,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                          TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr):
+                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+                         HALF_MATH: tl.constexpr):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -182,7 +191,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
             acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
                                              packed_expert_stride, packed_row_stride, scale_expert_stride,
                                              scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
-                                             HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X)
+                                             HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
+                                             HALF_MATH)
     hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
@@ -193,7 +203,8 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr):
+                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+                      HALF_MATH: tl.constexpr):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
     sorted rows. SCALED: through `tl.dot_scaled`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -218,7 +229,7 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
             h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                         HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
+                                         HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH)
             acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
             acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
