@@ -152,7 +152,7 @@ mxfp4() {
     run "${LIMIT:-330}" mxfp4_sweep.log "$PY" -m bench.moe_mxfp4_sweep --out "$OUT" "$@"
     [ "$DRY_RUN" = 1 ] && return 0
     tail -n 6 "$OUT/conformance-moe_experts_mxfp4.log" | cut -c1-220
-    grep -E "Error|Traceback|CHECK FAILED|error " "$OUT/mxfp4_sweep.log" | head -n 10 | cut -c1-220
+    grep -E "Traceback|Error:|CHECK FAILED|\): error " "$OUT/mxfp4_sweep.log" | head -n 10 | cut -c1-220
     sed -n '/^sweep took/,$p' "$OUT/mxfp4_sweep.log" | cut -c1-220
 }
 
