@@ -18,6 +18,9 @@
 #   bash scripts/gpu.sh parallel [ARGS]       python -m bench.parallel_bench on 2 GPUs (--sections, --plans)
 #   bash scripts/gpu.sh tune prefill|decode|moe [ARGS]   python -m tools.tune.tune_<what>: checked config sweeps
 #   bash scripts/gpu.sh tune ncu [TARGET ...] Nsight Compute on one call per kernel (tools.tune.ncu_targets)
+#   bash scripts/gpu.sh mxfp4 [ARGS]          the moe_experts_mxfp4 conformance cases (bf16, fp32), then
+#                                             python -m bench.moe_mxfp4_sweep: every MXFP4 expert tile checked and
+#                                             timed at K3's shapes against the bf16 experts (--phases decode,prefill)
 #
 # Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
 # the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands
@@ -143,6 +146,16 @@ parallel() {
     ls "$OUT"/parallel-*.md >/dev/null 2>&1 && cat "$OUT"/parallel-*.md
 }
 
+mxfp4() {
+    run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4.log "$PY" -m conformance --backend cuda \
+        --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4"
+    run "${LIMIT:-330}" mxfp4_sweep.log "$PY" -m bench.moe_mxfp4_sweep --out "$OUT" "$@"
+    [ "$DRY_RUN" = 1 ] && return 0
+    tail -n 6 "$OUT/conformance-moe_experts_mxfp4.log" | cut -c1-220
+    grep -E "Traceback|Error:|CHECK FAILED|\): error " "$OUT/mxfp4_sweep.log" | head -n 10 | cut -c1-220
+    sed -n '/^sweep took/,$p' "$OUT/mxfp4_sweep.log" | cut -c1-220
+}
+
 graphs() {
     run "${LIMIT:-300}" graphs.log "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_graphs.py -k on_the_gpu -rs
     [ "$DRY_RUN" = 1 ] && return 0
@@ -191,7 +204,7 @@ tune() {
 command=${1:-}
 [ $# -gt 0 ] && shift
 case "$command" in
-    conformance|graphs|kernels|model|serving|parallel|tune)
+    conformance|graphs|kernels|model|serving|parallel|tune|mxfp4)
         mkdir -p "$OUT"; environment; "$command" "$@" ;;
     serve-bench)
         mkdir -p "$OUT"; environment; serve_bench "$@" ;;

@@ -16,7 +16,12 @@ from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.triton import moe_mxfp4  # noqa: E402
+from kernels.triton import moe_mxfp4, moe_mxfp4_swap  # noqa: E402
+
+# the interpreter's tiles of both kernels: x W^T (the default) and the weight as the dot's first operand
+SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
+SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
+TILES = {"triton": None, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
 # a sum scales with its terms, not with a result that cancels, so the bound also takes 1e-5 of the largest output
@@ -53,7 +58,7 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
 
 
 @pytest.mark.parametrize("activation", ["silu", "situ"])
-@pytest.mark.parametrize("provider", ["reference", "triton"])
+@pytest.mark.parametrize("provider", ["reference", *TILES])
 def test_uneven_experts_and_k_not_a_multiple_of_the_block(provider, activation):
     # D = 96 and I = 96 are multiples of the 32-column scale group but not of the kernel's 64-column K step
     gen = torch.Generator().manual_seed(11)
@@ -64,7 +69,8 @@ def test_uneven_experts_and_k_not_a_multiple_of_the_block(provider, activation):
     weights = torch.rand(tokens, top_k, generator=gen)
     ids = _uneven_ids(gen, tokens, experts, top_k)
     fn = reference if provider == "reference" else moe_mxfp4.moe_experts_mxfp4
-    got = fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation, 4.0, 25.0)
+    tile = {"tile": TILES[provider]} if TILES.get(provider) else {}
+    got = fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation, 4.0, 25.0, **tile)
     _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation))
 
 
@@ -101,11 +107,29 @@ def test_scale_extremes_and_byte_255():
     want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
     for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
         _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
+    for tile in (SWAP_TILE, SPLIT_TILE):
+        _assert_close(moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids,
+                                                  "silu", 4.0, 25.0, tile=tile), want)
     # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
     halved = w13_scale.clone()
     halved[:, :, 0] = 253
     moved = _oracle(x, w13_packed, halved, w2_packed, w2_scale, weights, ids, "silu")
     assert ((moved - want).abs() > 100 * (ATOL + RTOL * (want.abs() + want.abs().max()))).any()
+
+
+def test_tile_options_that_cannot_apply_are_refused():
+    """split_x / scaled / half_math belong to the swap kernel, and scaled / half_math to 16-bit activations: a tile
+    asking for them elsewhere is refused by name rather than silently run as another kernel."""
+    gen = torch.Generator().manual_seed(15)
+    w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
+    w2_packed, w2_scale = _random_experts(gen, 2, 64, 32)
+    x, ids, weights = torch.randn(3, 64, generator=gen), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    for tile, match in ((SWAP_TILE._replace(swap=False, split_x=True), "swap=True"),
+                        (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
+                        (SWAP_TILE._replace(half_math=True), "needs bf16")):
+        with pytest.raises(ValueError, match=match):
+            moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
+                                        25.0, tile=tile)
 
 
 def test_empty_batch_and_shape_errors():
@@ -132,12 +156,12 @@ def test_reference_float64_is_exact_where_float32_overflows():
 
 @triton.jit
 def _decode_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HALF_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_N)
     expert = tl.program_id(0) * 0                                                # one expert, as a tensor
     low, high = moe_mxfp4._mxfp4_tile(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
                                       rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K, BLOCK_N,
-                                      tl.float32)
+                                      tl.float32, EVEN_K)
     j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)
     offsets = rows[None, :] * (num_k // 2) + j[:, None]                          # [HALF_K, BLOCK_N] of [N, K/2]
     mask = (rows < num_rows)[None, :] & (j < num_k // 2)[:, None]
@@ -146,7 +170,8 @@ def _decode_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HA
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
-def test_in_register_decode_matches_dequantize_for_every_byte_and_scale():
+@pytest.mark.parametrize("even_k", [False, True])                       # with and without the K mask
+def test_in_register_decode_matches_dequantize_for_every_byte_and_scale(even_k):
     scales = [0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255]
     num_k = 512                                                                  # 256 bytes: one of each value
     packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)        # [N, K/2]
@@ -154,6 +179,40 @@ def test_in_register_decode_matches_dequantize_for_every_byte_and_scale():
     scale[:, 1::2] = 127                                                         # neighbouring groups differ
     low = torch.full((len(scales), num_k // 2), float("nan"))
     high = torch.full_like(low, float("nan"))
-    _decode_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32, BLOCK_N=16)
+    _decode_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32, BLOCK_N=16,
+                                              EVEN_K=even_k)
     want = dequantize_mxfp4(packed, scale)                                       # [N, K] float32
+    assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+
+
+@triton.jit
+def _decode_rows_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HALF_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)
+    expert = tl.program_id(0) * 0
+    low, high = moe_mxfp4_swap._weight_rows(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
+                                            rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K,
+                                            BLOCK_N, tl.float32, EVEN_K)
+    j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)
+    offsets = rows[:, None] * (num_k // 2) + j[None, :]                          # [BLOCK_N, HALF_K] of [N, K/2]
+    mask = (rows < num_rows)[:, None] & (j < num_k // 2)[None, :]
+    tl.store(low_ptr + offsets, low, mask=mask)
+    tl.store(high_ptr + offsets, high, mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
+@pytest.mark.parametrize("even_k", [False, True])
+def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte_and_scale(even_k):
+    """The swap kernel's float16-bit decode (code 0.5 passes through a float16 subnormal) is bit-exact against
+    `dequantize_mxfp4` for all 256 bytes under every scale class, 0 (2^-127) and 255 (read as 254) included."""
+    scales = [0, 1, 2, 100, 113, 126, 127, 128, 200, 240, 241, 253, 254, 255]
+    num_k = 512
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
+    scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
+    scale[:, 1::2] = 127
+    low = torch.full((len(scales), num_k // 2), float("nan"))
+    high = torch.full_like(low, float("nan"))
+    _decode_rows_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32,
+                                                   BLOCK_N=16, EVEN_K=even_k)
+    want = dequantize_mxfp4(packed, scale)
     assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])

@@ -121,3 +121,32 @@ def test_state_config_and_precision_follow_the_architecture():
         assert dot_precision("tf32") == "tf32"
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
         assert dot_precision("tf32") == "tf32" and dot_precision("bf16x3") == "tf32x3"
+
+
+def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
+    """On sm_100 and gfx950 the provider's bf16 MXFP4 expert GEMMs go through tl.dot_scaled (the swap kernels with
+    SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode."""
+    result = _python("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import moe_experts_mxfp4
+        experts, latent, width, top_k = 112, 3584, 3072, 16
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
+        w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
+        for arch in ("sm_100", "gfx950", "sm_90"):
+            target = offline_target(arch)
+            with capture(target) as recorder:
+                ids = torch.arange(top_k)[None, :]
+                moe_experts_mxfp4(torch.empty(1, latent, dtype=torch.bfloat16), *w13, *w2,
+                                  torch.full((1, top_k), 1 / top_k), ids, "situ", 4.0, 25.0)
+            for _, launch in recorder.launches:
+                if "gate_up" in launch.kernel or "down" in launch.kernel:
+                    compiled = compile_launch(launch, target)
+                    print(arch, launch.kernel, "SCALED=True" in launch.describe(), compiled.error or "ok")
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = sorted(result.stdout.splitlines()[:6])
+    assert lines == sorted(["sm_100 _gate_up_swap_kernel True ok", "sm_100 _down_swap_kernel True ok",
+                            "gfx950 _gate_up_swap_kernel True ok", "gfx950 _down_swap_kernel True ok",
+                            "sm_90 _gate_up_kernel False ok", "sm_90 _down_kernel False ok"]), result.stdout

@@ -12,6 +12,18 @@ BLOCK_K dot. A code becomes a float32 by building its bits (sign, exponent, one 
 s becomes 2^(s - 127) the same way (byte 0 is the subnormal 2^-127, byte 255 reads as 254 as in
 `k3core.model.mxfp4`); their product is cast to x's dtype (bf16 on the GPU) for `tl.dot` with float32
 accumulation. A scale covers 32 columns, i.e. 16 bytes of a row: one scale load per 16 bytes, broadcast.
+When K is a multiple of BLOCK_K (K3: 3584 and 3072) the loads carry no K mask (EVEN_K): a mask that varies along
+the contiguous bytes makes each byte its own load and keeps Triton from pipelining the loop.
+
+Numerics in bf16: the expert hidden (the GLU output) is stored in x's dtype between the two GEMMs, so a bf16 call
+rounds it to bf16 (2^-9 relative) before the down GEMM; the float64 oracle (`kernels.torch.moe_mxfp4`) does not,
+and the conformance tolerance covers that rounding for hidden values of O(1).
+
+Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): this x W^T kernel; the swap-AB kernels of
+`kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from registers:
+`swap`), optionally with x loaded contiguously and split (`split_x`) or with `tl.dot_scaled` on the packed bytes
+(`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950). `bench.moe_mxfp4_sweep` checks and times them
+on the GPU and prints the winners for `MXFP4_TILES_NVIDIA`.
 """
 from __future__ import annotations
 
@@ -25,7 +37,8 @@ from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
-from kernels.triton.tuning_ops import target
+from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
+from kernels.triton.tuning_ops import current_arch, target
 
 PAIR_BUFFER_BYTES = 1 << 30
 SCALE_BLOCK = 32                   # columns per E8M0 scale
@@ -38,19 +51,59 @@ class Mxfp4Tile(NamedTuple):
     block_k: int                   # a multiple of 2 * SCALE_BLOCK: each half-step covers whole scale groups
     num_warps: int
     num_stages: int
+    swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
+    split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
+    scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
+    half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
+
+
+# Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
+MXFP4_ROW_CLASSES = ((16, "decode"), (96, "mid"), (None, "prefill"))
+# NVIDIA (sm_90) tiles: the hook `python -m bench.moe_mxfp4_sweep` fills. It prints a `paste:` line per class with
+# the fastest tile whose check passed; replace the entry with it (the values below are the ones used before any
+# sweep: the untuned x W^T kernel, 0.37-0.42x the bf16 experts at decode, bench/results/moe-mxfp4-nvidia-h200.md).
+MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "prefill": Mxfp4Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+}
+
+
+# sm_100 and gfx950 (bf16 / fp16 activations): `tl.dot_scaled` on the packed bytes, the brief's "native MXFP4"
+# targets. With bf16 activations Triton 3.6 lowers it there by upcasting the e2m1 operand in its own decode
+# (fp4_to_fp on sm_100, amdg.scaled_upcast_fp on gfx950, in the offline TTGIR): both MMA operands must be MX
+# formats for the native MXFP4 MMA. Compiled offline for both (tests/test_offline_compile.py), never run there;
+# its numerics are Triton's on every target and are checked on sm_90 by bench.moe_mxfp4_sweep (scaled tiles).
+DOT_SCALED_ARCHES = ("sm_100", "gfx950")
+MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
+    "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+}
+
+
+def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
+    rows_per_expert = num_pairs / max(1, num_experts)
+    return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
 
 
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
-    """Rows per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill:
-    taller blocks so that each weight tile is dequantised for more rows). Not yet tuned on a GPU. float32
-    activations stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and
-    96 KiB of LDS on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
+    """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert; elsewhere rows
+    per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
+    blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
+    stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
+    on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
     rows_per_expert = num_pairs / max(1, num_experts)
+    if target(device) == "interpreter":
+        return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+    if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
+        return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
+    if target(device) == "nvidia" and element_size <= 2:
+        return MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
         block_m = min(block_m, 64)
-    if target(device) == "interpreter":
-        return Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
     return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
                      num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
 
@@ -75,17 +128,22 @@ def _e8m0_f32(scale):
 @triton.jit
 def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DTYPE: tl.constexpr):
+                DTYPE: tl.constexpr, EVEN_K: tl.constexpr = False):
     """W^T of output columns `rows` for K columns [k_start, k_start + 2 * HALF_K) of one expert, as (even k, odd k)
     tiles [HALF_K, BLOCK_N] in DTYPE. Masked columns (past num_k or past the rows) are zero."""
     j = tl.arange(0, HALF_K)
-    k_mask = k_start + 2 * j < num_k                                   # num_k is a multiple of 32: both halves
-    mask = k_mask[:, None] & row_mask[None, :]
+    if EVEN_K:                       # no K mask (a broadcast one is constant along K: whole-vector loads)
+        mask = row_mask[None, :]
+    else:
+        mask = (k_start + 2 * j < num_k)[:, None] & row_mask[None, :]   # num_k is a multiple of 32: both halves
     packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[None, :].to(tl.int64) * packed_row_stride
     byte = tl.load(packed_rows + (k_start // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)   # [HALF_K, BLOCK_N]
     GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
     g = tl.arange(0, GROUPS)
-    scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
+    if EVEN_K:
+        scale_mask = row_mask[None, :]
+    else:
+        scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[None, :].to(tl.int64) * scale_row_stride
     scale = tl.load(scale_rows + (k_start // 32 + g)[:, None], mask=scale_mask, other=127).to(tl.int32)
     scale = _e8m0_f32(scale)                                                                      # [GROUPS, BLOCK_N]
@@ -100,7 +158,8 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
                     x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                     hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                     TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of I): gate and up columns of W13 in one K loop, the GLU in float32, stored in
     x's dtype at the sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -119,15 +178,15 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
     j = tl.arange(0, HALF_K)
     for k_start in range(0, hidden_dim, BLOCK_K):
         k_even = k_start + 2 * j
-        x_mask = row_mask[:, None] & (k_even < hidden_dim)[None, :]
+        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < hidden_dim)[None, :]
         x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)           # [BLOCK_M, HALF_K]
         x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
         gate_low, gate_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                           scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
-                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         up_low, up_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                       scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty)
+                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
         acc_gate = tl.dot(x_even, gate_low, acc_gate, input_precision="ieee")
         acc_gate = tl.dot(x_odd, gate_high, acc_gate, input_precision="ieee")
         acc_up = tl.dot(x_even, up_low, acc_up, input_precision="ieee")
@@ -141,7 +200,8 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
 def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                  hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                  rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
     """One (row block, column block of D): the W2 GEMM over I, stored in float32 at the sorted rows."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
@@ -157,22 +217,29 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
     j = tl.arange(0, HALF_K)
     for k_start in range(0, inter_dim, BLOCK_K):
         k_even = k_start + 2 * j
-        h_mask = row_mask[:, None] & (k_even < inter_dim)[None, :]
+        h_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < inter_dim)[None, :]
         h_even = tl.load(h_rows + k_even[None, :], mask=h_mask, other=0.0)             # [BLOCK_M, HALF_K]
         h_odd = tl.load(h_rows + (k_even + 1)[None, :], mask=h_mask, other=0.0)
         w_low, w_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty)
+                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
         acc = tl.dot(h_even, w_low, acc, input_precision="ieee")
         acc = tl.dot(h_odd, w_high, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :], acc,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+def _scaled(tile: Mxfp4Tile) -> dict:
+    return {"SCALED": tile.scaled, "HALF_MATH": tile.half_math} if tile.swap else {}
+
+
 def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
+    if (tile.split_x or tile.scaled or tile.half_math) and not tile.swap:
+        raise ValueError(f"moe_experts_mxfp4: split_x, scaled and half_math are options of the swap kernel; set "
+                         f"swap=True, got {tile}")
 
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
@@ -180,19 +247,26 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             tile: Mxfp4Tile) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
     _check_tile(tile)
+    if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
+                         "tile with scaled=False")
+    if tile.half_math and x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_experts_mxfp4: half_math decodes to bf16 and needs bf16 activations, got {x.dtype}; "
+                         "use a tile with half_math=False")
     num_experts, two_inter, _ = w13_packed.shape
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+    kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
+    kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
         float(situ_beta if situ_beta is not None else 1.0),
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
     return hidden
 
 
@@ -204,19 +278,22 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+    kernel = _down_swap_kernel if tile.swap else _down_kernel
+    kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
     return rows_out
 
 
 def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                       w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
                       situ_beta: float | None, situ_linear_beta: float | None,
-                      expert_offset: int = 0) -> torch.Tensor:
+                      expert_offset: int = 0, *, tile: Mxfp4Tile | None = None) -> torch.Tensor:
+    """The op (see `kernels.torch.moe_mxfp4`); `tile` fixes the launch shape (sweeps and tests), else
+    `mxfp4_tile` picks it per token chunk."""
     check_activation(activation, situ_beta)
     hidden_dim, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
     x, w13_packed, w13_scale, w2_packed, w2_scale = (
@@ -231,11 +308,11 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        tile = mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
-        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, tile.block_m)
+        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
+        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
-                         situ_linear_beta, tile)
-        rows_out = down(hidden, w2_packed, w2_scale, blocks, tile)
+                         situ_linear_beta, chunk_tile)
+        rows_out = down(hidden, w2_packed, w2_scale, blocks, chunk_tile)
         combine_expert_rows(rows_out, blocks.row_of_pair, weights[start:end], ids, expert_offset, num_experts,
                             out[start:end])
     return out

@@ -1,0 +1,267 @@
+"""Checked sweep of the MXFP4 expert kernels' tiles at K3's per-GPU shapes, against the bf16 Triton experts.
+
+    python -m bench.moe_mxfp4_sweep --out /tmp/out                         # on the GPU (bash scripts/gpu.sh mxfp4)
+    TRITON_INTERPRET=1 python -m bench.moe_mxfp4_sweep --smoke --out /tmp/x  # plumbing check on the CPU
+
+One process: the experts (112 local, latent 3584, width 3072, top-16; bf16 weights quantised to MXFP4, the bf16
+op holding their exact dequantised values) are built once; for each case (decode at 1, 4, 16, 64 tokens, prefill at
+512 and 1024 tokens = 8192 and 16384 routed rows) every tile of its row class (`moe_mxfp4.MXFP4_ROW_CLASSES`) runs
+the whole `moe_experts_mxfp4` op with that tile and is checked against the float64 reference (`kernels.torch.
+moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the case's own inputs, and once on the
+conformance case's extreme scales (`ExtremesCheck`); a tile that fails either check (or does not compile or
+launch) is never timed. Checked tiles are timed as the bench times them
+(`bench.timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
+op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
+
+Printed last: per case the tiles by time with the speed-up over bf16 and the packed bytes' fraction of copy
+bandwidth, then per row class the tile with the best geometric-mean time over the class's cases, as a `paste:`
+line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json,
+rewritten after every case so that a run cut short keeps what it finished.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.context import load, make_context, require_interpreter, results_dir
+from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
+from bench.timing import measure_ceilings, sweep_timer
+
+DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (512, 1024)
+SMOKE_TOKENS = (2, 40)                     # 1 and 20 rows per expert: the decode and the mid class
+# relative to the largest reference output: bf16 x and hidden (2^-9 each) with float32 accumulation, bf16 output;
+# the bench's bound (bench/moe_mxfp4_bench.py GPU_TOL), where both kernels measured 2.4e-3 to 3.6e-3 on the H200
+GPU_TOL, SMOKE_TOL = 2e-2, 1e-4
+ACT = ("situ", 4.0, 25.0)
+
+
+def _tiles() -> dict[str, list]:
+    """The candidates of each row class: the x W^T kernel as the table had it, and the swap-AB kernel over block
+    shapes that compile for sm_90 without spilling (bench.kernel_resources; swap prefill tiles of 128 x 128
+    spilled hundreds of bytes and are left out; the x W^T prefill tiles are the table's, spills and all), with in-register decode (float32 or float16 / bf16 pair math), split x loads or `tl.dot_scaled`."""
+    tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
+    half = dict(swap=True, half_math=True)
+    decode = [tile(16, 64, 128, 4, 3), tile(16, 128, 128, 4, 3),
+              tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 4, **swap), tile(16, 64, 64, 4, 4, **swap),
+              tile(16, 32, 128, 4, 3, **swap), tile(16, 128, 128, 8, 3, **swap), tile(16, 64, 128, 4, 3, **split),
+              tile(16, 64, 128, 4, 4, **split), tile(16, 64, 128, 4, 3, **scaled), tile(16, 64, 128, 4, 4, **scaled),
+              tile(16, 128, 128, 4, 3, **scaled), tile(16, 64, 256, 4, 3, **scaled), tile(32, 64, 128, 4, 3, **swap),
+              tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half)]
+    prefill = [tile(64, 64, 128, 4, 3), tile(64, 64, 64, 4, 3), tile(128, 128, 128, 8, 3),
+               tile(64, 64, 128, 4, 3, **swap), tile(128, 64, 64, 8, 3, **swap), tile(128, 64, 64, 8, 3, **split),
+               tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 3, **scaled), tile(128, 64, 64, 8, 3, **scaled),
+               tile(128, 64, 128, 8, 3, **scaled), tile(128, 64, 64, 8, 3, **half), tile(64, 64, 128, 4, 3, **half)]
+    return {"decode": decode, "mid": prefill, "prefill": prefill}
+
+
+def _smoke_tiles() -> dict[str, list]:
+    tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    tiles = [tile(16, 32, 64, 1, 1), tile(16, 32, 64, 1, 1, swap=True), tile(16, 32, 64, 1, 1, True, True)]
+    return {"decode": tiles, "mid": tiles, "prefill": tiles}
+
+
+@dataclass
+class Result:
+    case: str                   # "decode T=4"
+    row_class: str
+    tokens: int
+    tile: list                  # Mxfp4Tile fields, in order
+    status: str                 # "ok" | "check failed" | "extremes failed" | "error"
+    error: float | None         # max |op - float64| / max |float64|
+    ms: float | None
+    speedup: float | None       # bf16 ms / this ms
+    copy_fraction: float | None  # packed bytes read (codes + scales of the touched experts, x in, y out) / time
+    note: str = ""
+
+
+class ExtremesCheck:
+    """Each tile once on the conformance case's extreme scales (bytes 0, 254 and 255 with x of 2^-126 against the
+    254 block: `conformance.cases.build_moe_experts_mxfp4`, extremes=True) at dims that are not all multiples of
+    the K step, against the float64 reference on the same rounded inputs, with the op's conformance tolerance."""
+
+    def __init__(self, ctx):
+        build = load("conformance.cases:build_moe_experts_mxfp4")
+        self.tolerance = load("conformance.tolerances:tolerance")("moe_experts_mxfp4", "out", ctx.dtype)
+        # top_k and the activation as in the timed cases, so that the check reuses their compiled kernels
+        dims = dict(T=8, D=64, I=64, E=8, top_k=4) if ctx.smoke else dict(T=48, D=384, I=384, E=16, top_k=16)
+        call = build(dict(dims, activation="situ", extremes=True), torch.Generator().manual_seed(7))
+        args = call.args
+        self.x = args["x"].to(device=ctx.device, dtype=ctx.dtype)
+        self.weights = args["weights"].to(device=ctx.device, dtype=torch.float32)   # pinned float32 (the case's)
+        self.rest = [args[k].to(ctx.device) for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
+        self.ids = args["expert_ids"].to(ctx.device)
+        reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
+        self.want = reference(self.x.double(), *self.rest, self.weights.double(), self.ids, *ACT).cpu()
+        self.done: dict[tuple, float] = {}
+
+    def worst(self, op, tile) -> float:
+        """max |op - reference| / (atol + rtol |reference|): <= 1 passes."""
+        if tuple(tile) not in self.done:
+            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=tile).double().cpu()
+            bound = self.tolerance.atol + self.tolerance.rtol * self.want.abs()
+            self.done[tuple(tile)] = (float(((got - self.want).abs() / bound).max()) if torch.isfinite(got).all()
+                                      else math.inf)
+        return self.done[tuple(tile)]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if not torch.isfinite(got).all():
+        return math.inf
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed: dict, copy_tbps: float,
+             timer, extremes: ExtremesCheck) -> tuple[list[Result], float]:
+    mxfp4_op = load("kernels.triton.moe_mxfp4:moe_experts_mxfp4")
+    bf16_op = load("kernels.triton.moe_experts:moe_experts")
+    reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
+    experts, latent, width, top_k = shape["experts"], shape["latent"], shape["width"], shape["top_k"]
+    x = ctx.randn(tokens, latent)
+    expert_ids = torch.rand(tokens, experts, generator=ctx.generator).topk(top_k, dim=-1).indices.to(ctx.device)
+    weights = torch.rand(tokens, top_k, generator=ctx.generator).to(ctx.device)
+    (w13, w13_scale), (w2, w2_scale) = packed["w13"], packed["w2"]
+    want = reference(x.double(), w13, w13_scale, w2, w2_scale, weights.double(), expert_ids, *ACT)
+    decode = row_class == "decode"
+    tolerance = SMOKE_TOL if ctx.smoke else GPU_TOL
+
+    def timed(fn):
+        return timer.time_graph([fn]) if decode else timer.time(fn)
+
+    bf16 = lambda: bf16_op(x, packed["w13_dense"], packed["w2_dense"], weights, expert_ids, *ACT)  # noqa: E731
+    bf16_error = _relative_error(bf16(), want)
+    bf16_ms = timed(bf16).ms
+    touched = int(torch.unique(expert_ids).numel())
+    values = touched * 3 * latent * width
+    packed_bytes = values // 2 + values // 32 + tokens * latent * x.element_size() * 2
+    label = f"{'decode' if decode else 'prefill'} T={tokens}"
+    print(f"{label}: {tokens * top_k} routed rows, {touched} experts, bf16 {bf16_ms:.4f} ms "
+          f"(error {bf16_error:.1e})", flush=True)
+    results = []
+    for tile in tiles:
+        def call(tile=tile):
+            return mxfp4_op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, *ACT, tile=tile)
+        started = time.perf_counter()
+        try:
+            error = _relative_error(call(), want)
+            extreme = extremes.worst(mxfp4_op, tile)
+        except Exception as exc:  # noqa: BLE001  (a tile that cannot compile or launch is a finding, not a crash)
+            results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
+                                  f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
+            print(f"  {tuple(tile)}: error {results[-1].note}", flush=True)
+            continue
+        if not error <= tolerance:
+            results.append(Result(label, row_class, tokens, list(tile), "check failed", error, None, None, None,
+                                  f"error {error:.2e} > {tolerance:.0e}: not timed"))
+            print(f"  {tuple(tile)}: CHECK FAILED ({error:.2e}), not timed", flush=True)
+            continue
+        if not extreme <= 1.0:
+            results.append(Result(label, row_class, tokens, list(tile), "extremes failed", error, None, None, None,
+                                  f"extreme scales at {extreme:.2f}x the conformance bound: not timed"))
+            print(f"  {tuple(tile)}: EXTREMES CHECK FAILED ({extreme:.2f}x the bound), not timed", flush=True)
+            continue
+        ms = timed(call).ms
+        fraction = packed_bytes / (ms * 1e-3) / (copy_tbps * 1e12)
+        results.append(Result(label, row_class, tokens, list(tile), "ok", error, ms, bf16_ms / ms, fraction,
+                              f"extremes {extreme:.2f}x bound; first call + checks "
+                              f"{time.perf_counter() - started:.1f} s"))
+        print(f"  {tuple(tile)}: {ms:.4f} ms, {bf16_ms / ms:.2f}x bf16, {fraction:.1%} of copy, error {error:.1e}",
+              flush=True)
+    return results, bf16_ms
+
+
+def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
+    """Per row class: the tile with the best geometric-mean time over the class's cases, among tiles timed in all
+    of them -> (tile, geometric-mean ms, cases)."""
+    by_class: dict[str, dict[tuple, list[float]]] = {}
+    cases: dict[str, set] = {}
+    for r in results:
+        cases.setdefault(r.row_class, set()).add(r.case)
+        if r.status == "ok":
+            by_class.setdefault(r.row_class, {}).setdefault(tuple(r.tile), []).append(r.ms)
+    winners = {}
+    for row_class, tiles in by_class.items():
+        full = {t: ms for t, ms in tiles.items() if len(ms) == len(cases[row_class])}
+        if full:
+            best = min(full, key=lambda t: sum(math.log(m) for m in full[t]))
+            winners[row_class] = (list(best), math.exp(sum(math.log(m) for m in full[best]) / len(full[best])),
+                                  len(full[best]))
+    return winners
+
+
+def summary(results: list[Result], bf16: dict[str, float]) -> str:
+    tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math) | ms | vs bf16 | packed of copy | error |",
+             "|---|---|---|---|---|---|"]
+    for case in dict.fromkeys(r.case for r in results):
+        rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))
+        lines.append(f"| {case} | bf16 moe_experts | {bf16[case]:.4f} | 1.00x | | |")
+        for r in rows:
+            if r.status == "ok":
+                lines.append(f"| {case} | {tuple(r.tile)} | {r.ms:.4f} | {r.speedup:.2f}x | {r.copy_fraction:.1%} "
+                             f"| {r.error:.1e} |")
+            else:
+                lines.append(f"| {case} | {tuple(r.tile)} | {r.status} | | | {r.note} |")
+    lines.append("")
+    for row_class, (tile, ms, count) in _winners(results).items():
+        t = tile_type(*tile)
+        lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
+        lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
+                     f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
+                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}),")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    parser = argparse.ArgumentParser(prog="python -m bench.moe_mxfp4_sweep", description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--out", default=None, help="directory for the JSON results")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (comma-separated)")
+    args = parser.parse_args(argv)
+    require_interpreter(args.smoke, "bench.moe_mxfp4_sweep")
+    started = time.perf_counter()
+    ctx = make_context(args.smoke, seed=args.seed)
+    timer = ctx.timer if args.smoke else sweep_timer(ctx.device)
+    shape = SMOKE_SHAPE if args.smoke else K3_SHAPE
+    row_class = load("kernels.triton.moe_mxfp4:mxfp4_row_class")
+    tiles = _smoke_tiles() if args.smoke else _tiles()
+    phases = set(args.phases.split(","))
+    tokens = [t for t in (SMOKE_TOKENS if args.smoke else DECODE_TOKENS + PREFILL_TOKENS)
+              if ("decode" if row_class(t * shape["top_k"], shape["experts"]) == "decode" else "prefill") in phases]
+    ceilings = measure_ceilings(timer, ctx.dtype, args.smoke)
+    packed = expert_weights(ctx, shape)
+    extremes = ExtremesCheck(ctx)
+    print(f"experts built in {time.perf_counter() - started:.1f} s; copy {ceilings.copy_tbps:.2f} TB/s", flush=True)
+    import triton
+    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), shape=shape,
+                smoke=args.smoke, copy_tbps=ceilings.copy_tbps, tolerance=SMOKE_TOL if args.smoke else GPU_TOL)
+    out = results_dir(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("moe-mxfp4-sweep-" + ("smoke" if args.smoke else device.lower().replace(" ", "-")) + ".json")
+    results: list[Result] = []
+    bf16: dict[str, float] = {}
+    for t in tokens:
+        cls = row_class(t * shape["top_k"], shape["experts"])
+        case_results, bf16_ms = run_case(ctx, shape, t, tiles[cls], cls, packed, ceilings.copy_tbps, timer,
+                                             extremes)
+        results += case_results
+        bf16[case_results[0].case] = bf16_ms
+        path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],
+                                    "winners": _winners(results)}, indent=2))
+    print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path}\n")
+    print(summary(results, bf16))
+    return results
+
+
+if __name__ == "__main__":
+    main()

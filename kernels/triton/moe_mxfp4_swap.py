@@ -1,0 +1,236 @@
+"""MXFP4 expert GEMMs with the weight as the dot's first operand ("swap AB"): out^T = W x^T per row block.
+
+Why: at decode an expert has one to a few rows, so `kernels.triton.moe_mxfp4`'s x W^T dot is [16, K] x [K, BLOCK_N]
+with at most a few useful rows, and its dequantised weight is the second operand, which on sm_90 wgmma reads from
+shared memory: every decoded weight takes a register -> shared memory -> MMA trip. Here the weight tile
+[BLOCK_N, HALF_K] is the first operand (wgmma's A may sit in registers, so the decode feeds the MMA directly), the
+few token rows are the dot's narrow N (16 and up), and the weight bytes are read along their contiguous K, 16 bytes
+per row and scale group. At prefill the same kernel takes tall row blocks (BLOCK_M 64-256 as the dot's N), each
+decoded weight tile reused by all of them.
+
+Decoding a byte: the low nibble is column 2j, the high nibble 2j + 1 (`k3core.model.mxfp4`). The three magnitude
+bits of a code placed at bits 9-11 of a float16 and its sign at bit 15 make the float16 code * 2^-14 exactly
+(index 1, 0.5, becomes the float16 subnormal 2^-15, which the float16 -> float32 conversion keeps exactly), so a
+code costs two masks, two shifts and an or instead of a select over the magnitude index. It is then scaled by 2^14
+and by its E8M0 scale in float32 (in that order, so no subnormal intermediate) and cast to x's dtype; the two
+half-K dots (even columns of x against the low nibbles, odd ones against the high) need no nibble interleave.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.activation import glu_f32
+
+
+@triton.jit
+def _e8m0_f32(scale):
+    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
+    byte = tl.minimum(scale, 254)
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f16_code(bits):
+    """int32 float16 bit patterns of code * 2^-14 -> the code as float32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False):
+    """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
+    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
+    of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
+    load; the row mask is constant along them."""
+    j = tl.arange(0, HALF_K)
+    if EVEN_K:
+        mask = row_mask[:, None]                                        # broadcast: constant along K
+    else:
+        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]  # num_k is a multiple of 32: both halves
+    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
+    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0).to(tl.int32)   # [BLOCK_N, HALF_K]
+    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
+    g = tl.arange(0, GROUPS)
+    if EVEN_K:
+        scale_mask = row_mask[:, None]
+    else:
+        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
+    scale = _e8m0_f32(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32))
+    low_bits = ((byte & 7) << 9) | ((byte & 8) << 12)
+    high_bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    if HALF_MATH:
+        # bf16 only: the code in float16 (x 2^14 is exact there: |code| <= 6), then x the scale in bf16 (exact:
+        # a power of two, 2^-127 a bf16 subnormal), two elements per instruction; the same values as below
+        scale_bf16 = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (BLOCK_N, GROUPS, 16)),
+                                (BLOCK_N, HALF_K))
+        low = (low_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
+        high = (high_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
+        return low * scale_bf16, high * scale_bf16
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
+    return (_f16_code(low_bits) * scale).to(DTYPE), (_f16_code(high_bits) * scale).to(DTYPE)
+
+
+@triton.jit
+def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
+            SPLIT_X: tl.constexpr):
+    """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
+    to each row's first element), as the dot's second operands [HALF_K, BLOCK_M]. SPLIT_X loads the contiguous
+    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; otherwise two stride-2 loads."""
+    if SPLIT_X:
+        ks = k_start + tl.arange(0, 2 * HALF_K)
+        if EVEN_K:
+            mask = row_mask[:, None]
+        else:
+            mask = row_mask[:, None] & (ks < num_k)[None, :]
+        tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)           # [BLOCK_M, 2 * HALF_K]
+        even, odd = tl.split(tl.reshape(tile, (BLOCK_M, HALF_K, 2)))
+        return tl.trans(even), tl.trans(odd)
+    k_even = k_start + 2 * tl.arange(0, HALF_K)
+    if EVEN_K:
+        mask = row_mask[None, :]
+    else:
+        mask = (k_even < num_k)[:, None] & row_mask[None, :]
+    even = tl.load(row_ptrs[None, :] + k_even[:, None], mask=mask, other=0.0)          # [HALF_K, BLOCK_M]
+    odd = tl.load(row_ptrs[None, :] + (k_even + 1)[:, None], mask=mask, other=0.0)
+    return even, odd
+
+
+@triton.jit
+def _scaled_dot(acc, packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                scale_row_stride, rows, row_mask, k_start, num_k, x_t, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN_K: tl.constexpr, X_FORMAT: tl.constexpr):
+    """acc + W[rows, k_start:k_start + 2 * HALF_K] x_t through `tl.dot_scaled`: the packed bytes and E8M0 scales
+    go to the MMA as they are (native MXFP4 on sm_100 / gfx950; elsewhere Triton upcasts them to bf16 itself).
+    Scale byte 255 is clamped to 254 first, as `k3core.model.mxfp4` reads it (E8M0 255 is NaN)."""
+    j = tl.arange(0, HALF_K)
+    if EVEN_K:
+        mask = row_mask[:, None]
+    else:
+        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]
+    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
+    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)               # [BLOCK_N, HALF_K]
+    GROUPS: tl.constexpr = HALF_K // 16
+    g = tl.arange(0, GROUPS)
+    if EVEN_K:
+        scale_mask = row_mask[:, None]
+    else:
+        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
+    scale = tl.minimum(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127), 254)
+    return tl.dot_scaled(byte, scale.to(tl.uint8), "e2m1", x_t, None, X_FORMAT, acc)
+
+
+@triton.jit
+def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K columns [k_start, k_start + BLOCK_K) of the rows behind `row_ptrs` [BLOCK_M], as [BLOCK_K, BLOCK_M]."""
+    ks = k_start + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = row_mask[None, :]
+    else:
+        mask = (ks < num_k)[:, None] & row_mask[None, :]
+    return tl.load(row_ptrs[None, :] + ks[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert, packed_expert_stride,
+                  packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
+                  inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr):
+    """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up)."""
+    x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+    gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                       scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
+                                       HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH)
+    up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                   scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH)
+    acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
+    acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
+    acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
+    acc_up = tl.dot(up_high, x_odd, acc_up, input_precision="ieee")
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                         hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
+                         TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+                         HALF_MATH: tl.constexpr):
+    """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
+    stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride                   # [BLOCK_M] row starts
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
+    col_mask = cols < inter_dim
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
+    for k_start in range(0, hidden_dim, BLOCK_K):
+        if SCALED:
+            x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
+            acc_gate = _scaled_dot(acc_gate, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                   scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim, x_t,
+                                   HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+            acc_up = _scaled_dot(acc_up, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                 scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                 hidden_dim, x_t, HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+        else:
+            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
+                                             packed_expert_stride, packed_row_stride, scale_expert_stride,
+                                             scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
+                                             HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
+                                             HALF_MATH)
+    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
+    tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+                      HALF_MATH: tl.constexpr):
+    """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
+    sorted rows. SCALED: through `tl.dot_scaled`."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride                     # [BLOCK_M] row starts
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
+    col_mask = cols < hidden_dim
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    X_FORMAT: tl.constexpr = "fp16" if hidden_ptr.dtype.element_ty == tl.float16 else "bf16"
+    for k_start in range(0, inter_dim, BLOCK_K):
+        if SCALED:
+            h_t = _rows_k(h_rows, row_mask, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
+            acc = _scaled_dot(acc, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                              scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim, h_t, HALF_K,
+                              BLOCK_N, EVEN_K, X_FORMAT)
+        else:
+            h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+            w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                         scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                         HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH)
+            acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
+            acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
+    tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
+             mask=col_mask[:, None] & row_mask[None, :])

@@ -1,0 +1,38 @@
+"""bench/moe_mxfp4_sweep.py runs end to end on the CPU (--smoke): every tile is checked against the float64
+reference before it is timed, a tile whose check fails is refused, and the winner is printed as a table line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from bench import moe_mxfp4_sweep  # noqa: E402
+
+
+def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monkeypatch, capsys):
+    real = moe_mxfp4_sweep.load
+
+    def load(target):
+        fn = real(target)
+        if target == "kernels.triton.moe_mxfp4:moe_experts_mxfp4":
+            def op(*args, tile):                                        # the swap tile without split_x is wrong
+                out = fn(*args, tile=tile)
+                return torch.zeros_like(out) if tile.swap and not tile.split_x else out
+            return op
+        return fn
+
+    monkeypatch.setattr(moe_mxfp4_sweep, "load", load)
+    monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (2,))
+    results = moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "moe-mxfp4-sweep-smoke.json").read_text())
+    assert [r["status"] for r in data["results"]] == ["ok", "check failed", "ok"] == [r.status for r in results]
+    refused = data["results"][1]
+    assert refused["tile"][5:7] == [True, False] and refused["ms"] is None and refused["speedup"] is None
+    assert all(r["ms"] > 0 and r["error"] <= moe_mxfp4_sweep.SMOKE_TOL for r in data["results"] if r["status"] == "ok")
+    winner = data["winners"]["decode"][0]
+    assert winner in [r["tile"] for r in data["results"] if r["status"] == "ok"]
+    printed = capsys.readouterr().out
+    assert "CHECK FAILED" in printed and 'paste: "decode": Mxfp4Tile(block_m=16' in printed
