@@ -88,6 +88,7 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None   # "auto" | "none" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True          # False: at most one call (enforced by the K3 reply grammar)
     thinking: bool | None = None              # None: the model's default (on for K3)
     thinking_effort: str | None = None        # low | high | max
     response_format: dict[str, Any] | None = None
@@ -426,4 +427,5 @@ def parse_chat(body: Any) -> ChatRequest:
     thinking, effort, kwargs = _thinking(body)
     return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages,
                        tools=_tools(body), tool_choice=_tool_choice(body), thinking=thinking,
+                       parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
                        thinking_effort=effort, response_format=_response_format(body), template_kwargs=kwargs)
