@@ -144,6 +144,31 @@ def test_unconstrained_rows_are_untouched_and_pay_nothing(llm, monkeypatch):
     assert engine.num_resolved_steps > resolved
 
 
+def test_sampler_masks_exactly_the_grammar_rows_as_xgrammar_does():
+    """The sampler's device unpacking of a bitmask equals xgrammar's own apply_token_bitmask_inplace (random bits,
+    a vocabulary that is not a multiple of 32), on the masked rows only; the other rows are untouched."""
+    import torch
+    import xgrammar
+
+    from k3core.sampler import SampleRow, Sampler
+    from k3core.structured.matchers import GrammarMask
+    vocab, num_rows = 203, 4
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(num_rows, vocab, generator=generator)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, -(-vocab // 32)), dtype=torch.int32, generator=generator)
+    sampler = Sampler(vocab, "cpu", set())
+    rows = []
+    for index in range(num_rows):
+        sampler.add_request(f"r{index}", SamplingParams(temperature=0.0), [1])
+        rows.append(SampleRow(f"r{index}", SamplingParams(temperature=0.0), [], [1]))
+    masked = sampler.processed_logits(logits, rows, GrammarMask([1, 3], bitmask))
+    expected, full = logits.clone(), torch.zeros(num_rows, bitmask.shape[1], dtype=torch.int32)
+    full[[1, 3]] = bitmask                                  # xgrammar's indices select rows of both tensors
+    xgrammar.apply_token_bitmask_inplace(expected, full, indices=[1, 3])
+    assert torch.equal(masked, expected)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]]) and torch.isinf(masked[[1, 3]]).any()
+
+
 def test_invalid_specs_name_their_field_and_compiles_are_cached(llm):
     tokenizer, vocab_size, eos = llm.tokenizer, llm.config.vocab_size, llm.engine.eos_token_ids
     for spec in (StructuredSpec("regex", "([a-z", "structured_outputs.regex"),
@@ -198,8 +223,8 @@ def _tp_rank_main(rank: int, plan, device):
     return [(out.token_ids, out.finish_reason) for out in outputs], llm.engine.constraints.num_masks
 
 
-TP_PROMPTS = ["Return a record as JSON: ", "x = "]
-TP_PARAMS = [SamplingParams(max_tokens=64, temperature=0.0, structured=SPECS["json_schema"]),
+TP_PROMPTS = ["Answer: ", "x = "]
+TP_PARAMS = [SamplingParams(max_tokens=16, temperature=0.0, structured=SPECS["choice"]),
              SamplingParams(max_tokens=16, temperature=0.0, structured=SPECS["regex"])]
 
 
