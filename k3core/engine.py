@@ -335,21 +335,23 @@ class Engine:
         rows = [SampleRow(r.request_id, r.params, r.output_token_ids, r.prompt_token_ids) for r in requests]
         runner = self.runner
         if self.llm.plan.is_single:
-            sample = self.sampler.sample(logits, rows, self._grammar_mask(requests))
+            sample = self._sample_rows(logits, rows, requests)
             sample.start_copy()
             return sample
         host = None
         if runner.comm.rank == runner.sampler_rank:    # every rank's matchers accept the broadcast tokens
-            sample = self.sampler.sample(logits, rows, self._grammar_mask(requests))
+            sample = self._sample_rows(logits, rows, requests)
             sample.start_copy()
             host = sample.result()
         return ResolvedSample(runner.comm.broadcast_object(host, src=runner.sampler_rank))
 
-    def _grammar_mask(self, requests: list[Request]):
-        """The token bitmask of the constrained rows, or None (no constrained request: nothing is built)."""
-        if not self.constraints:
-            return None
-        return self.constraints.bitmask([r.request_id for r in requests])
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]) -> DeviceSample:
+        """The sampler's call, with the token bitmask of the constrained rows when there are any (a batch without
+        them makes the call it made before structured outputs existed: nothing is built)."""
+        mask = self.constraints.bitmask([r.request_id for r in requests]) if self.constraints else None
+        if mask is None:
+            return self.sampler.sample(logits, rows)
+        return self.sampler.sample(logits, rows, mask)
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()
