@@ -7,6 +7,14 @@ server calls `step()` from its own engine thread.
 With `EngineOptions.cuda_graphs` the engine captures the decode step once at start (one CUDA/HIP graph per batch
 bucket, `k3core.model.graph_decode`) and replays it for every step that is decode only and fits the graphs (batch
 within the largest bucket, every context within `graph_max_context`); every other step runs eagerly.
+
+Structured outputs (`SamplingParams.structured`): the engine keeps a grammar matcher per constrained request
+(`k3core.structured.matchers.Constraints`, created with the first such request). A step whose rows include
+constrained requests fills their token bitmask on the host and the sampler applies it on the device; each sampled
+token is accepted into its matcher, and a matcher that terminates finishes its request ("stop"). A row's mask
+needs the token the step before sampled, so with overlap the engine reads the step in flight back before it
+launches the next whenever that step held a constrained request (`num_resolved_steps` counts those); a batch
+without constrained requests runs exactly as before: no mask, no extra wait.
 """
 from __future__ import annotations
 
@@ -173,6 +181,8 @@ class Engine:
         self.sampler = Sampler(self.config.vocab_size, llm.device, self.eos_token_ids, llm.ops)
         self.num_steps = 0
         self.num_graph_steps = 0                          # steps replayed from a captured decode graph
+        self.constraints = None                           # structured outputs' matchers, from the first such request
+        self.num_resolved_steps = 0                       # overlapped steps that read the step in flight first
         self.closed = False
         self.graph_decode = None
         if options.cuda_graphs:
@@ -200,6 +210,8 @@ class Engine:
             raise ValueError(f"a request of {total} tokens needs more memory than the pool holds for requests "
                              f"({room} bytes); lower max_tokens or raise memory_bytes")
         request = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        if params.structured is not None:          # compiles the grammar (cached): StructuredError is a ValueError
+            self._constraints().add(request_id, params.structured)
         self.sampler.add_request(request_id, params, request.prompt_token_ids)
         self.requests[request_id] = request
         self.output_texts[request_id] = OutputText(self.llm.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -213,6 +225,8 @@ class Engine:
         self._drop_unresolved(request)
         self.scheduler.abort(request)
         self.sampler.remove_request(request_id)
+        if self.constraints is not None:
+            self.constraints.remove(request_id)
         self._close_text(request)
         return True
 
@@ -230,8 +244,26 @@ class Engine:
         if not self.overlap:
             return self._process(self._launch(None))
         previous = self._in_flight
+        if previous is not None and self._holds_constrained(previous):
+            # its constrained rows' next masks need the tokens it sampled: read them before launching
+            self.num_resolved_steps += 1
+            self._in_flight = None
+            outputs = self._process(previous)
+            self._in_flight = self._launch(None)
+            return outputs
         self._in_flight = self._launch(previous)      # before reading `previous`: a failure there leaves no stale record
         return self._process(previous)
+
+    def _constraints(self):
+        if self.constraints is None:
+            from k3core.structured.matchers import Constraints
+            self.constraints = Constraints(self.llm.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        return self.constraints
+
+    def _holds_constrained(self, launched: _Launched) -> bool:
+        constraints = self.constraints
+        return bool(constraints) and any(r.request_id in constraints for r in launched.requests
+                                         if not r.is_finished)
 
     def _launch(self, previous: _Launched | None) -> _Launched | None:
         """Schedule, build the batch, run the network and the sampler: device work only, no wait for the GPU.
@@ -316,31 +348,33 @@ class Engine:
         rows = [SampleRow(r.request_id, r.params, r.output_token_ids, r.prompt_token_ids) for r in requests]
         runner = self.runner
         if self.llm.plan.is_single:
-            sample = self.sampler.sample(logits, rows)
+            sample = self._sample_rows(logits, rows, requests)
             sample.start_copy()
             return sample
         resolved = None
-        if runner.comm.rank == runner.sampler_rank:
-            resolved = self._sample_rows_apart(logits, rows)
+        if runner.comm.rank == runner.sampler_rank:    # every rank's matchers accept the broadcast tokens
+            resolved = self._sample_rows_apart(logits, rows, requests)
         return runner.comm.broadcast_object(resolved, src=runner.sampler_rank)
 
-    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SampleRow]) -> ResolvedSample:
+    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]
+                           ) -> ResolvedSample:
         """The sampler rank's sample of a plan's batch. If sampling the batch raises, each row is sampled alone and
         the rows that still raise are marked failed: every rank receives the marks with the tokens and fails those
         requests only, so a poison request neither desynchronises the ranks nor takes its batch down. A row's draw
         depends on its own seed and position only, so the other rows get the tokens the batch would have given."""
-        def host_sample(logits_rows: torch.Tensor, sample_rows: list[SampleRow]) -> HostSample:
-            sample = self.sampler.sample(logits_rows, sample_rows)
+        def host_sample(logits_rows: torch.Tensor, sample_rows: list[SampleRow],
+                        sample_requests: list[Request]) -> HostSample:
+            sample = self._sample_rows(logits_rows, sample_rows, sample_requests)
             sample.start_copy()
             return sample.result()
         try:
-            return ResolvedSample(host_sample(logits, rows))
+            return ResolvedSample(host_sample(logits, rows, requests))
         except Exception:  # noqa: BLE001 (find the offending rows below; the others are sampled again)
             pass
         token_ids, logprobs, failed = [], [], {}
         for index, row in enumerate(rows):
             try:
-                one = host_sample(logits[index: index + 1], [row])
+                one = host_sample(logits[index: index + 1], [row], [requests[index]])
             except Exception as exc:  # noqa: BLE001 (reported to the request, which fails alone)
                 failed[index] = f"sampling this request failed ({type(exc).__name__}: {exc})"
                 token_ids.append(UNRESOLVED_TOKEN)
@@ -356,6 +390,14 @@ class Engine:
         request.finish_reason = "error"
         return StepOutput(request.request_id, [], True, "error", error=error)
 
+    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]) -> DeviceSample:
+        """The sampler's call, with the token bitmask of the constrained rows when there are any (a batch without
+        them makes the call it made before structured outputs existed: nothing is built)."""
+        mask = self.constraints.bitmask([r.request_id for r in requests]) if self.constraints else None
+        if mask is None:
+            return self.sampler.sample(logits, rows)
+        return self.sampler.sample(logits, rows, mask)
+
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()
         if request.first_token_time is None:
@@ -368,12 +410,18 @@ class Engine:
         num_output = len(request.output_token_ids) - request.num_unresolved       # this token included
         new_text = output_text.push([token_id], may_stop=num_output >= request.params.min_tokens)
         reason = self._finish_reason(request, token_id, output_text)
+        constraints = self.constraints
+        if constraints is not None and request.request_id in constraints:
+            if constraints.accept(request.request_id, token_id):
+                reason = "stop"                             # the grammar has ended
         if reason is not None:
             new_text += self._close_text(request)
             request.finish_reason = "stop" if output_text.stopped else reason
             self._drop_unresolved(request)
             self.scheduler.finish(request)
             self.sampler.remove_request(request.request_id)
+            if constraints is not None:
+                constraints.remove(request.request_id)
         return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, new_logprobs,
                           new_text)
 

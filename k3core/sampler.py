@@ -1,7 +1,8 @@
 """The batched sampler: one call per step turns the batch's logits into token ids on the device.
 
 `Sampler.sample` builds the step's host tables (one integer and one float copy to the device), then launches
-device work only: the allowed-token mask, logit_bias, min_tokens, penalties, the `sample` op (temperature,
+device work only: the allowed-token mask, a grammar's token bitmask (structured outputs: `GrammarMask`, bits
+unpacked on the device), logit_bias, min_tokens, penalties, the `sample` op (temperature,
 top-k/top-p/min-p, a seeded draw that depends on the row's own seed and output position only) and the logprobs
 of the raw model distribution. Nothing in it reads device values back. The one host synchronisation of a step is
 `DeviceSample.result()`, which waits for the copy that `start_copy()` queued.
@@ -26,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from k3core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from k3core.structured.matchers import GrammarMask, unpack_bitmask
 from k3core.transfer import index_tables
 
 NEG_INF = float("-inf")
@@ -221,11 +223,12 @@ class Sampler:
         return self._free_slots.pop()
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+               grammar: GrammarMask | None = None) -> DeviceSample:
         """logits [R, V] (any float dtype, on the device), one row per SampleRow in order -> DeviceSample.
-        Device work only; the host tables go over in two non-blocking copies."""
+        Device work only; the host tables go over in two non-blocking copies (three with a grammar mask)."""
         host, dev = self._tables(logits, rows)
-        x = self._processed(logits, rows, host, dev)                                   # [R, V] float32
+        x = self._processed(logits, rows, host, dev, grammar)                          # [R, V] float32
         groups = host.draw_groups                                                      # filter width -> rows
         if len(groups) == 1 and len(next(iter(groups.values()))) == len(rows):
             (width,) = groups
@@ -250,11 +253,12 @@ class Sampler:
                                                     max(host.logprob_counts))
         return DeviceSample(token_ids, host.logprob_rows, host.logprob_counts, logprob_ids, logprob_values)
 
-    def processed_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    def processed_logits(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                         grammar: GrammarMask | None = None) -> torch.Tensor:
         """The logits the draw of `sample` would see for these rows [R, V] float32, without sampling (state is
-        not changed): allowed-token mask, logit_bias, min_tokens, then the penalties."""
+        not changed): allowed-token mask, grammar mask, logit_bias, min_tokens, then the penalties."""
         host, dev = self._tables(logits, rows)
-        return self._processed(logits, rows, host, dev)
+        return self._processed(logits, rows, host, dev, grammar)
 
     def _tables(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[_StepTables, _DeviceTables]:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] != self.vocab_size:
@@ -302,9 +306,9 @@ class Sampler:
         return host, _DeviceTables(*ints, *floats)
 
     def _processed(self, logits: torch.Tensor, rows: Sequence[SampleRow], host: _StepTables,
-                   dev: _DeviceTables) -> torch.Tensor:
+                   dev: _DeviceTables, grammar: GrammarMask | None = None) -> torch.Tensor:
         masked = [row for row, item in enumerate(rows) if item.allowed_token_mask is not None]
-        changes = masked or host.bias_rows or host.banned_rows or host.penalty_rows
+        changes = masked or grammar is not None or host.bias_rows or host.banned_rows or host.penalty_rows
         x = logits.to(torch.float32)                                                    # [R, V]
         if changes:                                                                     # a private dense copy
             x = x.clone(memory_format=torch.contiguous_format) if x is logits else x.contiguous()
@@ -319,6 +323,11 @@ class Sampler:
                     allowed[row] = rows[row].allowed_token_mask
             x.masked_fill_(~allowed, NEG_INF)
         vocab = self.vocab_size
+        if grammar is not None:
+            bits, grammar_rows = index_tables([grammar.bitmask, grammar.rows], self.device, torch.int32)
+            grammar_rows = grammar_rows.long()                                          # [G]
+            refused = ~unpack_bitmask(bits.view(len(grammar.rows), -1), vocab)          # [G, V]
+            x.index_copy_(0, grammar_rows, x.index_select(0, grammar_rows).masked_fill_(refused, NEG_INF))
         if host.bias_rows:
             x.view(-1).index_add_(0, dev.bias_rows * vocab + dev.bias_ids, dev.bias_values)
         if host.banned_rows:

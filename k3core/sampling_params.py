@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 
 from k3core.ops import GREEDY_TEMPERATURE
+from k3core.structured.spec import StructuredSpec
 
 MAX_LOGPROBS = 20                 # top-N logprobs per token, as vLLM
 MAX_TOKEN_ID = 2 ** 31 - 1        # token ids and top_k fit an int32
@@ -58,6 +59,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0       # tokens in prompt or output: positive logits divided, others multiplied
     min_tokens: int = 0                   # EOS and stop_token_ids are masked until this many tokens are out
     logit_bias: dict[int, float] = field(default_factory=dict)   # added to the logits before anything else
+    structured: StructuredSpec | None = None   # the output must match this grammar (k3core.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +113,11 @@ class SamplingParams:
              f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
         need(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        need(self.structured is None or isinstance(self.structured, StructuredSpec),
+             "structured must be a k3core.structured.StructuredSpec")
+        need(self.structured is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured outputs (the grammar decides where the output may "
+             "end); leave min_tokens out")
         need(isinstance(self.logit_bias, dict), "logit_bias must map token ids to biases")
         for token_id, bias in self.logit_bias.items():
             need(_is_int(token_id) and 0 <= token_id <= MAX_TOKEN_ID,

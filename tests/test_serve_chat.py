@@ -147,22 +147,32 @@ def test_thinking_off_by_kwargs_or_effort_none(served):
         assert getattr(out.choices[0].message, "reasoning_content", None) is None
 
 
-def test_refused_and_noted_fields(served):
+def test_refused_fields_and_enforced_formats(served):
+    """json_schema / json_object / a named tool_choice are enforced now: the engine gets the K3 reply grammar
+    (compiled in the HTTP process first) and the prompt keeps its XTML notes; no "unenforced" header any more."""
     engine, tokenizer, http, client = served
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    for body, param in (({"response_format": schema}, "response_format"),
-                        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "tools": TOOLS},
+    for body, param in (({"reasoning_effort": "medium"}, "reasoning_effort"),
+                        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
                          "tool_choice"),
-                        ({"reasoning_effort": "medium"}, "reasoning_effort")):
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format")):
         response = http.post("/v1/chat/completions", json={"model": "k3", "messages": MESSAGES, **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, body
     engine.reply = 'x<|close|>think<|sep|><|open|>response<|sep|>{"a": 1}<|close|>response<|sep|>'
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for response_format in ({"type": "json_object"}, schema):
+        response = http.post("/v1/chat/completions", json={"model": "k3", "messages": MESSAGES, "max_tokens": 20,
+                                                           "response_format": response_format})
+        assert response.status_code == 200 and "x-k3core-unenforced" not in response.headers
+        prompt, params = engine.submitted[-1]
+        assert prompt == render_messages(tokenizer, MESSAGES, response_format=response_format)
+        assert params.structured.kind == "structural_tag" and params.structured.field == "response_format"
+    named = {"type": "function", "function": {"name": "get_weather"}}
     response = http.post("/v1/chat/completions", json={"model": "k3", "messages": MESSAGES, "max_tokens": 20,
-                                                       "response_format": {"type": "json_object"},
-                                                       "tools": TOOLS, "tool_choice": "required"})
-    assert response.status_code == 200 and response.headers["x-k3core-unenforced"] == "response_format"
-    assert engine.submitted[-1][0] == render_messages(tokenizer, MESSAGES, tools=TOOLS, tool_choice="required",
-                                                      response_format={"type": "json_object"})
+                                                       "tools": TOOLS, "tool_choice": named})
+    assert response.status_code == 200 and engine.submitted[-1][1].structured.field == "tool_choice"
+    assert 'call tool=\\"get_weather\\"' in engine.submitted[-1][1].structured.value
 
 
 def test_tokenizer_routes(served):

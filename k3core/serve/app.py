@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3core.sampling_params import SamplingParams
 from k3core.chat import chat_format
 from k3core.serve import chat as chat_module
+from k3core.serve import constraints
 from k3core.serve import responses
 from k3core.serve.access_log import AccessLogMiddleware, note_error, note_usage
 from k3core.serve.args import ServerArgs
@@ -214,29 +215,39 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         if any(not p for p in prompts):
             raise APIError("the prompt encodes to no tokens; give some text", param="prompt", code="invalid_value")
         params = sampling_params(req, check_lengths(info, prompts, req, chat))
+        params.structured = await structured_spec(info, req, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
                          include_usage=req.include_usage, parser_factory=parser_factory)
-        notes = unenforced_headers(req)
         note_usage(request, gen.usage)
         if req.stream:
             return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **notes})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         gen.start(arrived)
         if not await collect(gen, request):
             note_error(request, "the client disconnected before the response; its request was aborted")
             return Response(status_code=499)        # the client left; nobody reads this
         return JSONResponse(responses.chat_body(gen, args.model_name) if chat
-                            else responses.completion_body(gen, args.model_name), headers=notes)
+                            else responses.completion_body(gen, args.model_name))
 
     def chat_ids(info: ModelInfo, req: ChatRequest) -> list[int]:
         return chat_module.chat_prompt_ids(info.tokenizer, req)
 
-    def unenforced_headers(req: CompletionRequest | ChatRequest) -> dict[str, str]:
-        """A json_object response_format is an instruction the model sees, not a constraint: the response says so."""
-        if isinstance(req, ChatRequest) and (req.response_format or {}).get("type") == "json_object":
-            return {"X-K3core-Unenforced": "response_format"}
-        return {}
+    async def structured_spec(info: ModelInfo, req: CompletionRequest | ChatRequest, chat: bool):
+        """The request's output constraint, compiled here (off the event loop, cached) so that a bad schema, regex
+        or grammar is a 400 naming its field before anything is queued; None without one."""
+        thinking = chat and chat_module.thinking_of(info.tokenizer, req)
+        spec = constraints.request_spec(req, info.tokenizer, thinking)
+        if spec is None:
+            return None
+        from k3core.structured import StructuredError
+        from k3core.structured.compiler import compile_spec
+        eos_ids = tuple(getattr(info.tokenizer, "eos_token_ids", ()) or ())
+        try:
+            await asyncio.to_thread(compile_spec, info.tokenizer, info.vocab_size, eos_ids, spec)
+        except StructuredError as exc:
+            raise APIError(str(exc), param=exc.field, code="invalid_value") from None
+        return spec
 
     # ---- tokenizer routes (vLLM's names; lm-eval's remote tokenizer reads them) ---------------------------
     def optional_model(body: dict) -> None:

@@ -51,6 +51,7 @@ class SamplingRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    structured_outputs: dict[str, Any] | None = None   # vLLM's: exactly one of json / regex / choice / grammar
     given: frozenset[str] = frozenset()    # the fields the body sets (the rest may take the model's defaults)
 
 
@@ -86,7 +87,8 @@ REASONING_EFFORTS = ("low", "high", "max", "none")
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | None = None            # "auto" | "none" | "required"; a named choice is refused
+    tool_choice: str | dict[str, Any] | None = None   # "auto" | "none" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True          # False: at most one call (enforced by the K3 reply grammar)
     thinking: bool | None = None              # None: the model's default (on for K3)
     thinking_effort: str | None = None        # low | high | max
     response_format: dict[str, Any] | None = None
@@ -176,6 +178,48 @@ def _unsupported(body: dict) -> None:
         name = "echo" if body.get("echo") else "best_of"
         raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
                        code="unsupported_parameter")
+    for name in GUIDED_FIELDS:
+        if body.get(name) is not None:
+            raise APIError(f"'{name}' (vLLM's older spelling) is not supported; send 'structured_outputs' with "
+                           f"one of {', '.join(STRUCTURED_OUTPUT_KEYS)} instead", param=name,
+                           code="unsupported_parameter")
+
+
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar")
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                 "guided_whitespace_pattern", "guided_json_object", "structural_tag")
+
+
+def _structured_outputs(body: dict) -> dict[str, Any] | None:
+    """vLLM's `structured_outputs`: exactly one constraint, its JSON type checked (compiling it is app.py's)."""
+    value = body.get("structured_outputs")
+    if value is None:
+        return None
+    name = "structured_outputs"
+    if not isinstance(value, dict):
+        raise _type_error(name, f"an object with one of {', '.join(STRUCTURED_OUTPUT_KEYS)}", value)
+    given = {key: item for key, item in value.items() if item is not None}
+    unknown = [key for key in given if key not in STRUCTURED_OUTPUT_KEYS]
+    if unknown:
+        raise APIError(f"'{name}.{unknown[0]}' is not supported by this server; use one of "
+                       f"{', '.join(STRUCTURED_OUTPUT_KEYS)}", param=f"{name}.{unknown[0]}",
+                       code="unsupported_parameter")
+    if len(given) != 1:
+        raise APIError(f"'{name}' must set exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}, got "
+                       f"{len(given)}", param=name, code="invalid_value")
+    ((key, item),) = given.items()
+    if key == "json" and isinstance(item, str):
+        try:
+            item = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise APIError(f"'{name}.json' is not valid JSON ({exc}); give a JSON schema", param=f"{name}.json",
+                           code="invalid_value") from None
+    want = {"json": (dict, "a JSON schema (an object)"), "regex": (str, "a string"),
+            "choice": (list, "a non-empty list of strings"), "grammar": (str, "an EBNF grammar (a string)")}[key]
+    if not isinstance(item, want[0]) or (key == "choice" and (not item or not all(isinstance(c, str)
+                                                                                 for c in item))):
+        raise _type_error(f"{name}.{key}", want[1], item)
+    return {key: item}
 
 
 def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
@@ -213,6 +257,7 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         stream=stream,
         include_usage=stream and _bool(stream_options or {}, "include_usage", False),
+        structured_outputs=_structured_outputs(body),
         given=frozenset(name for name, value in body.items() if value is not None),
     )
 
@@ -301,16 +346,17 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _tool_choice(body: dict) -> str | None:
+def _tool_choice(body: dict) -> str | dict[str, Any] | None:
     choice = body.get("tool_choice")
     if choice is None or choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict):
-        raise APIError("a named 'tool_choice' (one given function) is not supported by this server yet: it needs "
-                       "constrained decoding; use \"required\" or \"auto\"", param="tool_choice",
-                       code="unsupported_parameter")
-    raise APIError(f"'tool_choice' must be \"auto\", \"none\" or \"required\", got {choice!r:.60}",
-                   param="tool_choice", code="invalid_value")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(function, dict) and choice.get("type", "function") == "function" and isinstance(
+            function.get("name"), str) and function["name"]:
+        return {"type": "function", "function": {"name": function["name"]}}
+    raise APIError(f"'tool_choice' must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                   f"\"function\": {{\"name\": ...}}}}, got {choice!r:.60}", param="tool_choice",
+                   code="invalid_value")
 
 
 def _response_format(body: dict) -> dict[str, Any] | None:
@@ -322,10 +368,10 @@ def _response_format(body: dict) -> dict[str, Any] | None:
         raise APIError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                        "{\"type\": \"json_schema\", ...}", param="response_format", code="invalid_value")
     if kind == "json_schema":
-        raise APIError("'response_format' of type json_schema is not supported by this server yet (it needs "
-                       "constrained decoding, which would guarantee the schema); use json_object, whose "
-                       "instruction the model sees but which is not enforced", param="response_format",
-                       code="unsupported_parameter")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise APIError("'response_format' of type json_schema needs \"json_schema\": {\"name\": ..., "
+                           "\"schema\": {...}}", param="response_format", code="invalid_value")
     return value
 
 
@@ -381,4 +427,5 @@ def parse_chat(body: Any) -> ChatRequest:
     thinking, effort, kwargs = _thinking(body)
     return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages,
                        tools=_tools(body), tool_choice=_tool_choice(body), thinking=thinking,
+                       parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
                        thinking_effort=effort, response_format=_response_format(body), template_kwargs=kwargs)
