@@ -129,7 +129,7 @@ def test_retracted_prompt_logprob_requests_recompute_the_same_values():
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------
-SERVER_MODEL = "k3-demo"
+SERVER_MODEL = "k3-tiny"          # byte-level tokens: prompts split characters across tokens
 
 
 @pytest.fixture(scope="module")
@@ -140,19 +140,20 @@ def server():
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    args = ServerArgs(model=SERVER_MODEL, port=port, memory_bytes=64 << 20, log_level="warning",
+    args = ServerArgs(model=SERVER_MODEL, port=port, memory_bytes=64 << 20, log_level="warning", seed=0,
                       cpu_threads=torch.get_num_threads(), page_size=16, checkpoint_interval=32,
                       chunked_prefill_tokens=16)
     srv = build_server(args)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline, status = time.monotonic() + 60, None
+    deadline, status = time.monotonic() + 120, None
     while time.monotonic() < deadline and status != 200:
         try:
             status = httpx.get(base + "/health", timeout=2).status_code
         except httpx.TransportError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.1)
     assert status == 200, f"server did not become healthy (engine error {srv.engine.error})"
     yield base
     srv.shutdown()
@@ -163,7 +164,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM(SERVER_MODEL, backend="torch", device="cpu", dtype="float32")
+    return LLM(SERVER_MODEL, backend="torch", device="cpu", dtype="float32", seed=0)
 
 
 def _complete(server: str, **body) -> dict:
@@ -241,8 +242,9 @@ def test_vllm_prompt_logprobs_on_both_endpoints(server, offline):
         assert token in entry and len(entry) in (2, 3)
         assert abs(entry[token]["logprob"] - ref[position - 1, ids[position]].item()) < PROMPT_TOL
         assert entry[token]["decoded_token"] == offline.tokenizer.decode([ids[position]])
-        ranks = sorted(v["rank"] for k, v in entry.items() if k != token)
-        assert ranks == [1, 2] and entry[token]["rank"] >= 1
+        assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2]      # the top 2 (the token may be one)
+        row, value = ref[position - 1], ref[position - 1, ids[position]]
+        assert int((row > value + PROMPT_TOL).sum()) + 1 <= entry[token]["rank"] <= int((row > value - PROMPT_TOL).sum())
     chat = httpx.post(server + "/v1/chat/completions", timeout=60, json={
         "model": SERVER_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "prompt_logprobs": 0})

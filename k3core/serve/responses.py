@@ -91,11 +91,12 @@ def completion_choice(gen: Generation, choice: Choice, text: str, num_new_tokens
     """One choice of a response (all tokens) or of a chunk (the last `num_new_tokens` of the choice); with_prompt:
     the echoed prompt first, in the text and in the logprobs."""
     prompt_ids = gen.prompts[choice.prompt_index]
-    echoed = gen.echo_texts[choice.prompt_index] if with_prompt and gen.echo_texts is not None else None
+    echo_text = gen.echo_texts[choice.prompt_index] if gen.echo_texts is not None else ""   # offsets start after it
+    echoed = echo_text if with_prompt and gen.echo_texts is not None else None
     logprobs = None
     if gen.params.logprobs is not None:
         logprobs = completion_logprobs(gen.tokenizer, choice, len(choice.token_ids) - num_new_tokens, entries,
-                                       gen.params.logprobs, len(echoed) if echoed is not None else 0)
+                                       gen.params.logprobs, len(echo_text))
         if echoed is not None:
             prompt_part = prompt_completion_logprobs(gen.tokenizer, prompt_ids, choice.prompt_logprobs,
                                                      gen.params.logprobs)
