@@ -28,6 +28,8 @@ import torch
 from k3core.mixed_step import run_split, split_mixed
 from k3core.model.batch import FutureTokens, SeqWork
 from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
+from k3core.prompt_logprobs import DevicePromptLogprobs, PromptLogprobs, PromptRows, prompt_positions, \
+    score_prompt_rows
 from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
 from k3core.sampling_params import SamplingParams
 from k3core.sched.request import UNRESOLVED_TOKEN, Request, Status
@@ -100,6 +102,7 @@ class _Launched:
     requests: list[Request]              # the rows of `sample`, in order
     sample: DeviceSample | ResolvedSample | None
     row_of: dict[str, int]               # request id -> row
+    prompt: DevicePromptLogprobs | None = None    # the step's prompt logprobs, read before its samples
 
 
 @dataclass
@@ -122,6 +125,8 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
     error: str | None = None    # set with finish_reason "error": this request failed, the rest of its batch did not
+                continue
+    prompt_logprobs: PromptLogprobs | None = None    # on the request's first output, when asked for
 
 
 class Engine:
@@ -199,6 +204,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests and not self.requests[request_id].is_finished:
             raise ValueError(f"request id {request_id!r} is already running")
+        if params.prompt_logprobs is not None and not self.llm.plan.is_single:
+            raise ValueError("prompt_logprobs are computed on one device only; leave them out under a parallel plan")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.config.max_position_embeddings:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
@@ -212,6 +219,8 @@ class Engine:
         request = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
         if params.structured is not None:          # compiles the grammar (cached): StructuredError is a ValueError
             self._constraints().add(request_id, params.structured)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs.empty(len(prompt_token_ids))
         self.sampler.add_request(request_id, params, request.prompt_token_ids)
         self.requests[request_id] = request
         self.output_texts[request_id] = OutputText(self.llm.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -275,10 +284,22 @@ class Engine:
         self.num_steps += 1
         pool = self.pool
         work, positions, rows, flat = [], [], [], 0
+        prompt_rows: list[PromptRows] = []
+        sample_rows: list[int] = []              # row of the logits each sampled chunk samples from
+        num_logit_rows = 0
         for chunk in chunks:
             request = chunk.request
             start = request.num_computed_tokens
             token_ids = request.token_slice(start, start + chunk.num_tokens)
+            scored = prompt_positions(len(request.prompt_token_ids), request.needs_prompt_logprobs, start,
+                                      chunk.num_tokens)
+            want_logits = "all" if scored else "last" if chunk.samples else "none"
+            if scored:
+                prompt_rows.append(PromptRows(request.prompt_token_ids, request.prompt_logprobs, scored,
+                                              num_logit_rows, request.params.prompt_logprobs))
+            num_logit_rows += {"all": chunk.num_tokens, "last": 1, "none": 0}[want_logits]
+            if chunk.samples:
+                sample_rows.append(num_logit_rows - 1)
             if request.num_unresolved:            # its input is the token the step in flight sampled
                 assert chunk.num_tokens == 1 and token_ids == [UNRESOLVED_TOKEN] and previous is not None, (
                     f"request {request.request_id} feeds an unresolved token outside a decode")
@@ -289,12 +310,18 @@ class Engine:
                 prefix_len=start,
                 slot_position=pool.slot_position(request.working_slot),
                 page_positions=pool.page_positions(request.page_handles),
-                want_logits="last" if chunk.samples else "none",
+                want_logits=want_logits,
                 snapshots=[(s.position - start, -1 if s.slot is None else pool.slot_position(s.slot))
                            for s in chunk.snapshots]))
             flat += chunk.num_tokens
         future = FutureTokens(previous.sample.token_ids, positions, rows) if positions else None
         logits = self._forward(work, future)                                             # [R, V] or None
+        prompt = None
+        if prompt_rows:                        # one device (add_request): every row is here
+            prompt = score_prompt_rows(logits, prompt_rows)
+            prompt.start_copy()
+            if len(sample_rows) != num_logit_rows:
+                logits = logits[index_tables([sample_rows], logits.device, torch.int64)[0]]   # [S, V]
         sampled = [c.request for c in chunks if c.samples]
         sample = self._sample(logits, sampled) if sampled else None
         for chunk in chunks:
@@ -304,12 +331,16 @@ class Engine:
         for request in sampled:                   # a placeholder until the host reads the id
             request.output_token_ids.append(UNRESOLVED_TOKEN)
             request.num_unresolved += 1
-        return _Launched(sampled, sample, {r.request_id: row for row, r in enumerate(sampled)})
+        return _Launched(sampled, sample, {r.request_id: row for row, r in enumerate(sampled)}, prompt)
 
     def _process(self, launched: _Launched | None) -> list[StepOutput]:
         """Read a launched step's sampled ids (the one wait for the GPU) and emit them: placeholders replaced,
         logprobs, incremental text and stop checks, finishes. Requests finished or aborted since are skipped."""
-        if launched is None or launched.sample is None:
+        if launched is None:
+            return []
+        if launched.prompt is not None:
+            launched.prompt.result()
+        if launched.sample is None:
             return []
         host = launched.sample.result()
         outputs = []
@@ -318,6 +349,9 @@ class Engine:
                 continue
             if row in getattr(launched.sample, "failed", {}):
                 outputs.append(self._fail_request(request, launched.sample.failed[row]))
+                continue
+            if request.params.max_tokens == 0:     # the prompt only: the token sampled after it is not output
+                outputs.append(self._finish_prompt_only(request))
                 continue
             index = len(request.output_token_ids) - request.num_unresolved
             request.output_token_ids[index] = host.token_ids[row]
@@ -400,8 +434,10 @@ class Engine:
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()
+        prompt_logprobs = None
         if request.first_token_time is None:
             request.first_token_time = now
+            prompt_logprobs = request.prompt_logprobs
         new_logprobs = []
         if request.params.logprobs is not None and logprobs is not None:
             request.output_logprobs.append(logprobs)
@@ -423,7 +459,17 @@ class Engine:
             if constraints is not None:
                 constraints.remove(request.request_id)
         return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, new_logprobs,
-                          new_text)
+                          new_text, prompt_logprobs)
+
+    def _finish_prompt_only(self, request: Request) -> StepOutput:
+        """Finish a max_tokens 0 request once its prompt has run: no token, finish_reason "length"."""
+        request.first_token_time = time.monotonic()
+        self._drop_unresolved(request)
+        request.finish_reason = "length"
+        self._close_text(request)
+        self.scheduler.finish(request)
+        self.sampler.remove_request(request.request_id)
+        return StepOutput(request.request_id, [], True, "length", prompt_logprobs=request.prompt_logprobs)
 
     @staticmethod
     def _drop_unresolved(request: Request) -> None:
@@ -484,7 +530,7 @@ class Engine:
             results[request_id] = CompletionOutput(
                 request_id, request.prompt_token_ids, list(request.output_token_ids), request.text,
                 request.finish_reason or "abort", request.num_cached_tokens,
-                request.output_logprobs if request.params.logprobs is not None else None)
+                request.output_logprobs if request.params.logprobs is not None else None, request.prompt_logprobs)
         return results
 
     def drain(self) -> list[StepOutput]:

@@ -56,23 +56,29 @@ def run_split(split: MixedSplit, work: Sequence[SeqWork], future: FutureTokens |
     decode_logits = graph.run(decode_work, decode_future)         # [D, V], valid until the next replay
     eager_logits = runner.forward(eager_work, pool, None)          # [wanted eager rows, V] or None
     wanted_decode = [row for row, w in enumerate(decode_work) if w.want_logits != "none"]
-    # where each wanted row of `work` sits in cat(wanted decode logits, eager logits)
-    place: dict[int, int] = {}
-    for rank, row in enumerate(wanted_decode):
-        place[split.decode_rows[row]] = rank
-    wanted_eager = [i for i in split.eager_rows if work[i].want_logits != "none"]
-    for rank, i in enumerate(wanted_eager):
-        place[i] = len(wanted_decode) + rank
-    order = [place[i] for i in range(len(work)) if work[i].want_logits != "none"]
+    # where each row of `work`'s logits sits in cat(wanted decode logits, eager logits): one row for "last", one
+    # per new token for "all" (a prompt-logprobs chunk), none for "none"
+    place: dict[int, list[int]] = {split.decode_rows[row]: [rank] for rank, row in enumerate(wanted_decode)}
+    offset = len(wanted_decode)
+    for i in split.eager_rows:
+        count = _logit_rows(work[i])
+        place[i] = list(range(offset, offset + count))
+        offset += count
+    order = [rank for i in range(len(work)) for rank in place.get(i, [])]
     if not order:
         return None
     parts = [decode_logits.index_select(0, index_tables([wanted_decode], decode_logits.device, torch.int64)[0])]
     if eager_logits is not None and eager_logits.shape[0]:
         parts.append(eager_logits)
     logits = torch.cat(parts)                                      # [R, V]
+    assert logits.shape[0] == len(order), (logits.shape, len(order))
     if order == list(range(len(order))):
         return logits
     return logits.index_select(0, index_tables([order], logits.device, torch.int64)[0])
+
+
+def _logit_rows(w: SeqWork) -> int:
+    return {"none": 0, "last": 1, "all": len(w.new_token_ids)}[w.want_logits]
 
 
 def _flat_starts(work: Sequence[SeqWork]) -> list[int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3core.prompt_logprobs import PromptLogprobs
+
 __all__ = ["CompletionOutput"]
 
 
@@ -19,3 +21,4 @@ class CompletionOutput:
     finish_reason: str                 # "stop" | "length" | "abort"
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None   # per generated token: {token id: logprob}, when asked for
+    prompt_logprobs: PromptLogprobs | None = None     # per prompt token (the first None), when asked for

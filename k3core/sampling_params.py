@@ -60,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0                   # EOS and stop_token_ids are masked until this many tokens are out
     logit_bias: dict[int, float] = field(default_factory=dict)   # added to the logits before anything else
     structured: StructuredSpec | None = None   # the output must match this grammar (k3core.structured)
+    prompt_logprobs: int | None = None    # logprob (and top-N, N <= 20) of every prompt token given its prefix
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,8 +87,8 @@ class SamplingParams:
             if not cond:
                 raise ValueError(message)
 
-        need(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(_is_int(self.max_tokens) and 0 <= self.max_tokens <= INT64_MAX,
+             f"max_tokens must be an integer >= 0 (0: run the prompt only), got {self.max_tokens!r}")
         need(_is_real(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0 (below {GREEDY_TEMPERATURE:g} is greedy), "
              f"got {self.temperature!r}")
@@ -100,6 +101,9 @@ class SamplingParams:
              f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        need(self.prompt_logprobs is None or (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings")
         need(isinstance(self.stop_token_ids, list) and

@@ -358,7 +358,8 @@ def test_sample_does_not_read_device_values_back(monkeypatch):
                                  dict(repetition_penalty=1e-50), dict(repetition_penalty=float("inf")),
                                  dict(min_tokens=17), dict(min_tokens=-1), dict(logit_bias={5: 101.0}),
                                  dict(logit_bias={5: float("nan")}), dict(logit_bias={-1: 1.0}),
-                                 dict(logit_bias={"x": 1.0}), dict(stop_token_ids=[-3]), dict(max_tokens=0)])
+                                 dict(logit_bias={"x": 1.0}), dict(stop_token_ids=[-3]), dict(max_tokens=-1),
+                                 dict(prompt_logprobs=21), dict(prompt_logprobs=-1)])
 def test_poison_values_are_refused_by_name(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):

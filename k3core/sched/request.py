@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3core.prompt_logprobs import PromptLogprobs
 from k3core.sampling_params import SamplingParams
 
 # An output token sampled by a step still running on the device (overlapped steps); replaced by its id once the
@@ -26,6 +27,7 @@ class Request:
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None    # filled by position while the prompt runs (when asked for)
     status: Status = Status.WAITING
     finish_reason: str | None = None
 
@@ -52,6 +54,12 @@ class Request:
         if start >= prompt:
             return self.output_token_ids[start - prompt: end - prompt]
         return self.all_token_ids[start:end]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the prompt's logits must still be computed here: asked for, and no token sampled yet (a request
+        retracted later recomputes its prompt without them)."""
+        return self.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -212,7 +212,9 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
-        hit = self.cache.match(tokens) if self.cache is not None else None
+        # a request that still needs prompt logprobs needs the logits of every prompt position: it reads no prefix
+        reads_cache = self.cache is not None and not request.needs_prompt_logprobs
+        hit = self.cache.match(tokens) if reads_cache else None
         hit_tokens = hit.num_tokens if hit is not None and hit.checkpoint is not None else 0
         need_pages = -(-max(hit_tokens + 1, 1) // self.options.page_size) - (
             len(hit.shared_pages) if hit_tokens else 0)
@@ -240,8 +242,13 @@ class Scheduler:
         request.num_computed_tokens = hit_tokens
         if request.num_retractions == 0 or request.num_cached_tokens == 0:
             request.num_cached_tokens = min(hit_tokens, len(request.prompt_token_ids))
-        if self.cache is not None:
+        if reads_cache:
             request.checkpoint_positions = self.cache.checkpoint_positions(tokens, hit_tokens)
+        elif self.cache is not None:
+            # where an empty cache would snapshot (no divergence point), so that the request computes the same
+            # numbers whatever the cache holds
+            interval, last = self.cache.checkpoint_interval, len(tokens) - 1
+            request.checkpoint_positions = sorted({*range(interval, last + 1, interval), last}) if last > 0 else []
         return True
 
     def release(self, request: Request, donate: bool) -> None:

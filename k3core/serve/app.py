@@ -147,9 +147,18 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                                   logprobs=req.logprobs, presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                                  logit_bias=req.logit_bias)
+                                  logit_bias=req.logit_bias, prompt_logprobs=engine_prompt_logprobs(req))
         except ValueError as exc:
             raise APIError(str(exc), code="invalid_value") from None
+
+    def engine_prompt_logprobs(req: SamplingRequest) -> int | None:
+        """How many top alternatives per prompt token the engine computes: for `prompt_logprobs` and, with echo,
+        for the prompt part of `logprobs` (the larger of the two)."""
+        wanted = [req.prompt_logprobs]
+        if isinstance(req, CompletionRequest) and req.echo:
+            wanted.append(req.logprobs)
+        wanted = [n for n in wanted if n is not None]
+        return max(wanted) if wanted else None
 
     async def collect(gen: Generation, request: Request) -> bool:
         """Wait for every choice; False (and everything aborted) if the client disconnected meanwhile."""
@@ -181,14 +190,14 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                 token_ids, entries = event.new_token_ids, event.new_logprobs
                 message = responses.chat_delta(choice, delta) if chat else None
                 if not (message if chat else delta) and not choice.finished and not (
-                        entries and gen.params.logprobs is not None):
+                        entries and gen.params.logprobs is not None) and not responses.echo_pending(gen, choice):
                     continue
                 if chat:
                     body = responses.chat_chunk(gen, model, [responses.chat_choice_delta(
                         gen, choice, message, token_ids, entries, choice.finished)])
                 else:
-                    body = responses.completion_chunk(gen, model, [responses.completion_choice(
-                        gen, choice, delta, len(token_ids), entries, choice.finished)])
+                    body = responses.completion_chunk(gen, model, [responses.completion_stream_choice(
+                        gen, choice, delta, len(token_ids), entries)])
                 yield responses.sse(body)
             if gen.error is not None:
                 yield responses.sse(APIError(gen.error, status=500, type="server_error").body())
@@ -217,8 +226,12 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         params = sampling_params(req, check_lengths(info, prompts, req, chat))
         params.structured = await structured_spec(info, req, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        echo_texts = None
+        if isinstance(req, CompletionRequest) and req.echo:     # the prompt as given, or its ids decoded
+            echo_texts = [p if isinstance(p, str) else info.tokenizer.decode(p) for p in req.prompts]
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
-                         include_usage=req.include_usage, parser_factory=parser_factory)
+                         include_usage=req.include_usage, parser_factory=parser_factory, echo_texts=echo_texts,
+                         prompt_logprobs=req.prompt_logprobs)
         note_usage(request, gen.usage)
         if req.stream:
             return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from k3core.prompt_logprobs import PromptLogprobs
 from k3core.sampling_params import SamplingParams
 from k3core.serve.engine_thread import EngineEvent, EngineThread, ModelInfo
 from k3core.serve.metrics import EngineSnapshot, ServerMetrics
@@ -79,6 +80,7 @@ class Event(msgspec.Struct, tag=True):
     num_cached_tokens: int
     error: str | None
     new_text: str
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Observe(msgspec.Struct, tag=True):
@@ -148,7 +150,7 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
     def sink_for(request_id: str) -> Callable[[EngineEvent], None]:
         def sink(event: EngineEvent) -> None:
             send(Event(request_id, event.new_token_ids, event.new_logprobs, event.finished, event.finish_reason,
-                       event.num_cached_tokens, event.error, event.new_text))
+                       event.num_cached_tokens, event.error, event.new_text, event.prompt_logprobs))
         return sink
 
     def read_commands() -> None:
@@ -325,7 +327,7 @@ class EngineProcess:
             if message.finished:
                 del self._sinks[message.request_id]
             sink(EngineEvent(message.new_token_ids, message.new_logprobs, message.finished, message.finish_reason,
-                             message.num_cached_tokens, message.error, message.new_text))
+                             message.num_cached_tokens, message.error, message.new_text, message.prompt_logprobs))
         elif isinstance(message, Observe):
             getattr(self.metrics, message.name)(*message.args)
         elif isinstance(message, Publish):

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from k3core.prompt_logprobs import PromptLogprobs
 from k3core.sampling_params import SamplingParams
 from k3core.serve.metrics import EngineSnapshot, ServerMetrics
 
@@ -36,6 +37,7 @@ class EngineEvent:
     num_cached_tokens: int = 0
     error: str | None = None
     new_text: str = ""                      # the engine's text delta (k3core.stop: stop strings already cut)
+    prompt_logprobs: PromptLogprobs | None = None    # with the request's first output, when asked for
 
 
 @dataclass(frozen=True)
@@ -294,7 +296,7 @@ class EngineThread:
                 self.metrics.observe_finish(*tracked.finish_metrics(now, output.finish_reason or "stop"))
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
                                      output.finish_reason, request.num_cached_tokens, error=output.error,
-                                     new_text=output.new_text))
+                                     new_text=output.new_text, prompt_logprobs=output.prompt_logprobs))
         if self.engine.num_steps == steps_before:
             time.sleep(0.001)      # nothing could be scheduled (waiting on memory): do not spin a core
 

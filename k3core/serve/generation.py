@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from k3core.prompt_logprobs import PromptLogprobs
 from k3core.sampling_params import SamplingParams
 from k3core.stop import IncrementalDetokenizer
 from k3core.serve.engine_thread import EngineEvent, EngineThread
@@ -30,6 +31,8 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     parser: Any = None          # chat: a K3OutputParser splitting the text into reasoning / content / tool calls
+    prompt_logprobs: PromptLogprobs | None = None    # the engine's, when the request needs them
+    echo_sent: bool = False     # streaming with echo: the prompt went out (with the choice's first chunk)
     _offsets: list[int] = field(default_factory=list)   # text_offset of each token so far (logprobs)
     _offset_chars: int = 0
     _offset_detokenizer: Any = None
@@ -73,7 +76,10 @@ class Usage:
 class Generation:
     def __init__(self, engine: EngineThread, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False,
-                 parser_factory: Callable[[], Any] | None = None):
+                 parser_factory: Callable[[], Any] | None = None, echo_texts: list[str] | None = None,
+                 prompt_logprobs: int | None = None):
+        """`echo_texts`: completions with echo, the text of each prompt (its choices' text starts with it);
+        `prompt_logprobs`: the top-N of vLLM's `prompt_logprobs` field, None = no such field."""
         self.engine = engine
         self.include_usage = include_usage
         self.request_id = request_id
@@ -89,6 +95,8 @@ class Generation:
                 self.choices.append(Choice(index, f"{request_id}-{index}", prompt_index, len(prompt),
                                            parser=parser_factory() if parser_factory is not None else None))
         self.params = params
+        self.echo_texts = echo_texts
+        self.prompt_logprobs = prompt_logprobs
 
     def start(self, arrival: float) -> None:
         """Submit every choice; `arrival` (time.monotonic) is when the HTTP request came in, for TTFT."""
@@ -134,6 +142,8 @@ class Generation:
         choice.token_ids.extend(event.new_token_ids)
         choice.logprobs.extend(event.new_logprobs)
         choice.num_cached_tokens = max(choice.num_cached_tokens, event.num_cached_tokens)
+        if event.prompt_logprobs is not None:
+            choice.prompt_logprobs = event.prompt_logprobs
         if event.new_text:
             choice.text_parts.append(event.new_text)
         if event.finished:

@@ -14,6 +14,7 @@ MAX_STOP = 256               # stop strings per request (matched incrementally: 
 MAX_LOGIT_BIAS = 1024        # entries of logit_bias
 MAX_COMPLETION_LOGPROBS = 20       # completions: logprobs 0..20 (as vLLM)
 MAX_TOP_LOGPROBS = 20             # chat: top_logprobs 0..20
+MAX_PROMPT_LOGPROBS = 20          # both: prompt_logprobs 0..20 (vLLM's extension)
 
 
 class APIError(Exception):
@@ -44,6 +45,7 @@ class SamplingRequest:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None            # top-N per token, None = no logprobs
+    prompt_logprobs: int | None = None     # vLLM's extension: top-N per prompt token, None = none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -58,6 +60,7 @@ class SamplingRequest:
 @dataclass
 class CompletionRequest(SamplingRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False                     # the text (and logprobs) start with the prompt's
 
 
 @dataclass
@@ -173,10 +176,11 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return bias
 
 
-def _unsupported(body: dict) -> None:
-    if body.get("best_of") not in (None, 1) or body.get("echo"):
-        name = "echo" if body.get("echo") else "best_of"
-        raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
+def _unsupported(body: dict, echo: bool) -> None:
+    if body.get("best_of") not in (None, 1) or (body.get("echo") and not echo):
+        name = "echo" if body.get("echo") and not echo else "best_of"
+        where = " on chat completions (only on /v1/completions)" if name == "echo" else ""
+        raise APIError(f"'{name}' is not supported by this server{where}; leave it out", param=name,
                        code="unsupported_parameter")
     for name in GUIDED_FIELDS:
         if body.get(name) is not None:
@@ -222,21 +226,29 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
     return {key: item}
 
 
-def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], echo: bool = False) -> dict[str, Any]:
+    """The fields both endpoints share; `echo`: the endpoint takes echo (and then max_tokens 0 with it)."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError("'model' is required and must be a string naming the model (see GET /v1/models)",
                        param="model", code="invalid_type" if model is not None else "missing_required_parameter")
-    _unsupported(body)
+    _unsupported(body, echo)
     max_tokens = None
     for name in max_tokens_names:
-        max_tokens = _int(body, name, max_tokens, low=1)
+        max_tokens = _int(body, name, max_tokens, low=0 if echo else 1)
+    if max_tokens == 0 and not _bool(body, "echo", False):
+        raise APIError("'max_tokens' 0 returns only the prompt, so it needs 'echo': true; otherwise give 1 or more",
+                       param="max_tokens", code="invalid_value")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise _type_error("stream_options", "an object", stream_options)
     stream = _bool(body, "stream", False)
+    prompt_logprobs = _int(body, "prompt_logprobs", None, low=0, high=MAX_PROMPT_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise APIError("'prompt_logprobs' is returned in whole responses only; set 'stream' to false (or use 'echo' "
+                       "with 'logprobs' on completions)", param="prompt_logprobs", code="unsupported_parameter")
     stop_token_ids = body.get("stop_token_ids")
     return dict(
         model=model, max_tokens=max_tokens,
@@ -254,6 +266,7 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
         stop=_stop(body),
         stop_token_ids=_int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
         ignore_eos=_bool(body, "ignore_eos", False),
+        prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         stream=stream,
         include_usage=stream and _bool(stream_options or {}, "include_usage", False),
@@ -264,7 +277,7 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...]) -> dict[str, 
 
 # ---- the two request kinds -----------------------------------------------------------------------
 def parse_completion(body: Any) -> CompletionRequest:
-    common = _sampling_fields(body, ("max_tokens",))
+    common = _sampling_fields(body, ("max_tokens",), echo=True)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
@@ -285,7 +298,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     if common["max_tokens"] is None:
         common["max_tokens"] = 16                          # the OpenAI completions default
     logprobs = _int(body, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
-    return CompletionRequest(**common, logprobs=logprobs, prompts=prompts)
+    return CompletionRequest(**common, logprobs=logprobs, prompts=prompts, echo=_bool(body, "echo", False))
 
 
 def _message_content(value: Any, index: int) -> str:
