@@ -125,7 +125,6 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
     error: str | None = None    # set with finish_reason "error": this request failed, the rest of its batch did not
-                continue
     prompt_logprobs: PromptLogprobs | None = None    # on the request's first output, when asked for
 
 

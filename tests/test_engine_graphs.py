@@ -392,3 +392,41 @@ def test_serve_flags_pass_graph_options(tmp_path):
         parse_args(["--graph-batch-sizes", "1,x"])
     with pytest.raises(SystemExit):
         parse_args(["--cuda-graphs", "--tp", "2", "--memory-bytes", "1000000"])
+
+
+def test_prompt_logprobs_chunk_beside_replayed_decodes(llm, monkeypatch):
+    """A prompt-logprobs chunk (logits of every position) in a step whose decodes replay the graph: the split step
+    puts each of its rows back in place, so its prompt logprobs and everyone's tokens equal the eager engine's."""
+    prompts = _prompts(7, [6, 5, 13])
+
+    def run(graphs):
+        engine = _engine(llm, graphs, graph_batch_sizes=(1, 2, 4), chunked_prefill_tokens=8, memory_bytes=4 << 20)
+        ids = [engine.add_request(prompts[0], SamplingParams(max_tokens=10, **GREEDY)),
+               engine.add_request(prompts[1], SamplingParams(max_tokens=10, **GREEDY))]
+        for _ in range(3):                                    # both decode before the third arrives
+            engine.step()
+        ids.append(engine.add_request(prompts[2], SamplingParams(max_tokens=3, prompt_logprobs=2, **GREEDY)))
+        results = engine.run_until_done(ids)
+        engine.check_invariants()
+        return engine, results, ids
+
+    import k3core.engine as engine_module
+    split_works = []
+
+    def recording_split(split, work, *rest):
+        split_works.append(list(work))
+        return run_split(split, work, *rest)
+
+    run_split = engine_module.run_split
+    monkeypatch.setattr(engine_module, "run_split", recording_split)
+    graphed_engine, graphed, ids = run(StandIns())
+    eager_engine, eager, _ = run(None)
+    assert any(w.want_logits == "all" for work in split_works for w in work)     # the case this test is about
+    for request_id in ids:
+        assert graphed[request_id].token_ids == eager[request_id].token_ids
+    got, want = graphed[ids[2]].prompt_logprobs, eager[ids[2]].prompt_logprobs
+    assert got.ranks == want.ranks and got.entries[0] is None and want.complete
+    for got_entry, want_entry in zip(got.entries[1:], want.entries[1:]):
+        assert got_entry.keys() == want_entry.keys()
+        for token, logprob in want_entry.items():
+            assert abs(got_entry[token] - logprob) < 1e-4        # as LOGIT_TOL: the replay pads the batch
