@@ -28,6 +28,7 @@ import torch
 from k3core.mixed_step import run_split, split_mixed
 from k3core.model.batch import FutureTokens, SeqWork
 from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
+from k3core.prompt_logprob_store import PromptLogprobStore
 from k3core.prompt_logprobs import DevicePromptLogprobs, PromptLogprobs, PromptRows, prompt_positions, \
     score_prompt_rows
 from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
@@ -170,6 +171,8 @@ class Engine:
                              f"logical page size {self.page_size} (page_size x dcp)")
         self.checkpoint_interval = interval
         self.cache = RadixCache(self.pool, self.page_size, interval) if options.prefix_cache else None
+        # prompt logprobs by prefix: what lets a prompt-logprobs request read the prefix cache at all
+        self.prompt_logprob_store = PromptLogprobStore(self.page_size) if options.prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, SchedulerOptions(
             options.max_running_requests, self.chunked_prefill_tokens, self.page_size,
             self.config.max_position_embeddings))
@@ -220,6 +223,12 @@ class Engine:
             self._constraints().add(request_id, params.structured)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs.empty(len(prompt_token_ids))
+            if self.prompt_logprob_store is not None:
+                known, stored = self.prompt_logprob_store.lookup(request.prompt_token_ids, params.prompt_logprobs)
+                if stored is not None:                  # positions 0..known-1 scored by an earlier prompt
+                    request.prompt_logprobs.entries[:known] = stored.entries[:known]
+                    request.prompt_logprobs.ranks[:known] = stored.ranks[:known]
+                    request.num_known_prompt_logprobs = known
         self.sampler.add_request(request_id, params, request.prompt_token_ids)
         self.requests[request_id] = request
         self.output_texts[request_id] = OutputText(self.llm.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -437,6 +446,7 @@ class Engine:
         if request.first_token_time is None:
             request.first_token_time = now
             prompt_logprobs = request.prompt_logprobs
+            self._store_prompt_logprobs(request)
         new_logprobs = []
         if request.params.logprobs is not None and logprobs is not None:
             request.output_logprobs.append(logprobs)
@@ -458,17 +468,23 @@ class Engine:
             if constraints is not None:
                 constraints.remove(request.request_id)
         return StepOutput(request.request_id, [token_id], reason is not None, request.finish_reason, new_logprobs,
-                          new_text, prompt_logprobs)
+                          new_text, prompt_logprobs=prompt_logprobs)
 
     def _finish_prompt_only(self, request: Request) -> StepOutput:
         """Finish a max_tokens 0 request once its prompt has run: no token, finish_reason "length"."""
         request.first_token_time = time.monotonic()
+        self._store_prompt_logprobs(request)
         self._drop_unresolved(request)
         request.finish_reason = "length"
         self._close_text(request)
         self.scheduler.finish(request)
         self.sampler.remove_request(request.request_id)
         return StepOutput(request.request_id, [], True, "length", prompt_logprobs=request.prompt_logprobs)
+
+    def _store_prompt_logprobs(self, request: Request) -> None:
+        if self.prompt_logprob_store is not None and request.prompt_logprobs is not None:
+            self.prompt_logprob_store.put(request.prompt_token_ids, request.prompt_logprobs,
+                                          request.params.prompt_logprobs)
 
     @staticmethod
     def _drop_unresolved(request: Request) -> None:
@@ -542,6 +558,7 @@ class Engine:
         if self.cache is None:
             return True
         self.cache.flush()
+        self.prompt_logprob_store.flush()
         return True
 
     def memory_usage(self):
@@ -575,6 +592,7 @@ class Engine:
         cache = self.cache
         if cache is not None:
             cache.check_invariants()
+            self.prompt_logprob_store.check_invariants()
         running = self.scheduler.running
         owned = [p for r in running for p in r.owned_pages]
         assert len(owned) == len(set(owned)), "a page is owned by two running requests"

@@ -7,9 +7,10 @@ Each step reduces its prompt rows on the device (log-softmax, the prompt token's
 copies only those small results to the host; the [T, V] logits of a chunk never outlive its step.
 
 The prefix cache holds states, never logits: positions it would serve were not computed by this request. So a
-request that still needs prompt logprobs reads no cached prefix (the scheduler admits it from position 0, with
-the checkpoint positions an empty cache would give, so its numbers do not depend on what is cached) and only adds
-to the cache as any request does; existing entries are never written (copy-on-write, duplicates freed).
+request that still needs prompt logprobs reads a cached prefix only as deep as the positions the prompt-logprob
+store (`k3core.prompt_logprob_store`) already knows for its prompt, and from position 0 (with the checkpoint
+positions an empty cache would give) when it knows none; it only adds to the cache as any request does; existing
+entries are never written (copy-on-write, duplicates freed).
 
 Results are stored by position, so a request retracted mid-prefill and recomputed from 0 simply writes the same
 positions again.

@@ -5,7 +5,8 @@ Tolerance: the engine runs the prompt in chunks of 16 tokens, cut again at every
 `LLM.prompt_logits` runs it in one float32 forward; the two sum the same terms in different orders, so their
 logprobs agree to about 1e-5 (seen: 3e-6 on k3-tiny). PROMPT_TOL = 5e-5 is well below any change a wrong token,
 position or state would make (those move logprobs by 1e-1 and more). Engine against engine (warm cache against cold,
-overlapped against plain) runs the same computation and must be equal exactly.
+overlapped against plain) runs the same computation and must be equal exactly; a run that resumes from a cached
+checkpoint with positions from the prompt-logprob store sums the later tokens in another order (PROMPT_TOL).
 """
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def _reference(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(llm.prompt_logits(ids).double(), dim=-1)
 
 
+def _assert_close(got, want) -> None:
+    """Prompt logprobs of a run resumed from a cached checkpoint against a run from position 0: the tokens after
+    the checkpoint sum in another order (seen: 1.4e-6), so PROMPT_TOL; ranks and top-N sets equal."""
+    assert got.ranks == want.ranks
+    for position, (a, b) in enumerate(zip(got.entries, want.entries)):
+        assert (a is None) == (b is None), position
+        if a is not None:
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < PROMPT_TOL for t in b), position
+
+
 def _llm(model: str, **options) -> LLM:
     return LLM(model, backend="torch", device="cpu", dtype="float32", seed=3, **{**ENGINE, **options})
 
@@ -55,7 +66,9 @@ def test_prompt_logprobs_match_one_full_forward(model, overlap):
         assert above_surely + 1 <= scored.ranks[position] <= above_maybe + 1, position
     llm.engine.check_invariants()
     again = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))[0]
-    assert again.prompt_logprobs == scored and again.token_ids == out.token_ids
+    assert again.num_cached_tokens == 40 and again.token_ids == out.token_ids      # the store's 44 -> checkpoint 40
+    assert again.prompt_logprobs.entries[:41] == scored.entries[:41]               # taken from the store
+    _assert_close(again.prompt_logprobs, scored)
 
 
 def test_max_tokens_zero_scores_the_prompt_only():
@@ -295,3 +308,53 @@ def test_lm_eval_loglikelihood_through_the_server(server, offline):
         assert abs(total - expected) < PROMPT_TOL * len(whole)
         greedy = all(ref[p - 1].argmax().item() == whole[p] for p in range(len(context_ids), len(whole)))
         assert is_greedy == greedy
+
+
+def test_a_shared_context_is_scored_once_and_read_from_the_cache():
+    """lm-eval's multiple choice: one context, several continuations, each scored with prompt logprobs. After the
+    first, a choice takes the context's positions from the prompt-logprob store and starts from a cached KDA
+    checkpoint inside them, prefilling only the rest; its logprobs equal a cold engine's
+    within PROMPT_TOL (see _assert_close) and the cache and the store stay consistent."""
+    context = _prompt(11, 37)
+    choices = [_prompt(12 + i, 5 + i) for i in range(3)]
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    warm = _llm("k3-tiny")
+    outs = [warm.generate([context + choice], scoring)[0] for choice in choices]
+    warm.engine.check_invariants()
+    assert outs[0].num_cached_tokens == 0
+    for out in outs[1:]:
+        # the store knows positions 0..35 (whole pages of 4 of the shared 37): the deepest checkpoint below is 32
+        assert out.num_cached_tokens == 32
+    for choice, out in zip(choices, outs):
+        cold = _llm("k3-tiny").generate([context + choice], scoring)[0]
+        assert out.prompt_logprobs.complete
+        _assert_close(out.prompt_logprobs, cold.prompt_logprobs)
+    other_top = warm.generate([context + choices[0]], SamplingParams(max_tokens=0, prompt_logprobs=3))[0]
+    assert other_top.num_cached_tokens == 0              # a different top-N is another entry: scored afresh
+    warm.engine.check_invariants()
+    assert warm.engine.flush_cache()
+    assert warm.engine.prompt_logprob_store.num_positions == 0
+
+
+def test_prompt_logprob_store_bounds_and_verifies_its_entries():
+    from k3core.prompt_logprob_store import PromptLogprobStore
+    from k3core.prompt_logprobs import PromptLogprobs
+
+    def scored(tokens):
+        return PromptLogprobs([None] + [{t: -1.0} for t in tokens[1:]], [None] + [1] * (len(tokens) - 1))
+
+    store = PromptLogprobStore(page_size=4, max_positions=30)
+    a, b = list(range(12)), list(range(8)) + [50, 51, 52, 53]
+    store.put(a, scored(a), 1)
+    store.put(b, scored(b), 1)
+    store.check_invariants()
+    assert store.lookup(list(range(10)) + [99], 1)[0] == 8        # whole pages of the longest shared prefix
+    assert store.lookup(a, 1)[0] == 12 and store.lookup(a, 2) == (0, None)    # another top-N is another entry
+    c = list(range(100, 112))
+    store.put(c, scored(c), 1)             # 36 positions > 30: the least recently used (b) goes
+    store.check_invariants()
+    assert store.num_positions == 24 and store.lookup(c, 1)[0] == 12
+    assert store.lookup(b, 1)[0] == 8      # a still holds b's first 8
+    incomplete = PromptLogprobs([None, None, {1: -1.0}, None], [None] * 4)
+    store.put([0, 1, 2, 3], incomplete, 1)                         # only complete prompts are stored
+    store.check_invariants()

@@ -28,6 +28,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None    # filled by position while the prompt runs (when asked for)
+    num_known_prompt_logprobs: int = 0     # prompt positions 0..n-1 whose logprobs came from the store at arrival
     status: Status = Status.WAITING
     finish_reason: str | None = None
 

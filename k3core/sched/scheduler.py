@@ -212,9 +212,11 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         tokens = request.all_token_ids
-        # a request that still needs prompt logprobs needs the logits of every prompt position: it reads no prefix
-        reads_cache = self.cache is not None and not request.needs_prompt_logprobs
-        hit = self.cache.match(tokens) if reads_cache else None
+        # a request that still needs prompt logprobs needs the logits of every position it has no logprobs for: it
+        # reads a cached prefix only up to the positions the prompt-logprob store gave it (match looks at [:n-1])
+        match_tokens = tokens[:request.num_known_prompt_logprobs] if request.needs_prompt_logprobs else tokens
+        reads_cache = self.cache is not None and len(match_tokens) > 1
+        hit = self.cache.match(match_tokens) if reads_cache else None
         hit_tokens = hit.num_tokens if hit is not None and hit.checkpoint is not None else 0
         need_pages = -(-max(hit_tokens + 1, 1) // self.options.page_size) - (
             len(hit.shared_pages) if hit_tokens else 0)
@@ -242,7 +244,7 @@ class Scheduler:
         request.num_computed_tokens = hit_tokens
         if request.num_retractions == 0 or request.num_cached_tokens == 0:
             request.num_cached_tokens = min(hit_tokens, len(request.prompt_token_ids))
-        if reads_cache:
+        if reads_cache and (hit_tokens or not request.needs_prompt_logprobs):
             request.checkpoint_positions = self.cache.checkpoint_positions(tokens, hit_tokens)
         elif self.cache is not None:
             # where an empty cache would snapshot (no divergence point), so that the request computes the same
