@@ -251,7 +251,8 @@ class EngineThread:
                 self.engine.requests.pop(output.request_id, None)
                 self.metrics.observe_finish(now - tracked.arrival, output.finish_reason or "stop")
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
-                                     output.finish_reason, request.num_cached_tokens, new_text=output.new_text))
+                                     output.finish_reason, request.num_cached_tokens, error=output.error,
+                                     new_text=output.new_text))
         if self.engine.num_steps == steps_before:
             time.sleep(0.001)      # nothing could be scheduled (waiting on memory): do not spin a core
 
