@@ -75,8 +75,7 @@ def _check(llm, prompts, params, ids, outputs) -> None:
     assert engine.sampler.num_requests == 0
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("prefix_cache, overlap", [(True, True), (False, False)])
 def test_a_sampler_failure_fails_only_its_request(monkeypatch, prefix_cache, overlap):
     llm = _llm(prefix_cache=prefix_cache, overlap=overlap, chunked_prefill_tokens=16)
     prompts = _prompts()
@@ -103,9 +102,8 @@ def test_a_sampler_failure_fails_only_its_request(monkeypatch, prefix_cache, ove
     _check(llm, prompts, params, ids, outputs)
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_a_model_failure_fails_only_its_request(monkeypatch, prefix_cache):
-    llm = _llm(prefix_cache=prefix_cache, chunked_prefill_tokens=16)
+def test_a_model_failure_fails_only_its_request(monkeypatch):
+    llm = _llm(prefix_cache=True, chunked_prefill_tokens=16)
     prompts = _prompts()
     params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)] * len(prompts)
     runner = llm.engine.runner

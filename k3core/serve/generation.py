@@ -113,7 +113,8 @@ class Generation:
                 params = SamplingParams(**vars(params))
 
             def sink(event: EngineEvent, index: int = choice.index) -> None:
-                loop.call_soon_threadsafe(self._put, index, event)
+                if not loop.is_closed():             # the server has shut down: nobody waits for the event
+                    loop.call_soon_threadsafe(self._put, index, event)
             self.engine.submit(choice.engine_id, self.prompts[choice.prompt_index], params, sink, arrival)
 
     def _put(self, index: int, event: EngineEvent) -> None:
