@@ -338,3 +338,29 @@ def test_unknown_fields_are_ignored_with_one_warning(served, caplog):
     assert warnings == ["ignored unknown request fields: frobnicate"]
 
 
+
+
+def test_field_policy_per_endpoint():
+    from k3core.serve.protocol import APIError, parse_chat, parse_completion
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    completion = {"model": MODEL, "prompt": "hi"}
+    for parse, base in ((parse_completion, completion), (parse_chat, chat)):
+        assert parse({**base, "user": "u-1", "best_of": 1, "store": False, "zeta": 1, "alpha": 2}).ignored == (
+            "alpha", "zeta")
+        for name, value in (("best_of", 2), ("suffix", "x"), ("use_beam_search", True), ("guided_regex", "a+"),
+                            ("functions", []), ("store", True), ("parallel_tool_calls", False), ("echo", True)):
+            with pytest.raises(APIError) as excinfo:
+                parse({**base, name: value})
+            assert (excinfo.value.status, excinfo.value.param) == (400, name)
+    assert parse_chat({**chat, "messages_extra": 1, "prompt": "x"}).ignored == ("messages_extra", "prompt")
+    assert parse_completion({**completion, "messages": []}).ignored == ("messages",)
+
+
+def test_body_parser_refuses_what_it_cannot_serve():
+    from k3core.serve.body import parse_json
+    from k3core.serve.protocol import APIError
+    assert parse_json(b'{"a": ["\\ud83d\\ude00", 1.5, -2]}') == {"a": ["\U0001F600", 1.5, -2]}   # a pair is fine
+    for raw in RAW_BODIES + [b"Infinity", b"{", b'"\\udc00\\ud800"']:
+        with pytest.raises(APIError) as excinfo:
+            parse_json(raw)
+        assert excinfo.value.status == 400 and excinfo.value.message

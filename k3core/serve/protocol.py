@@ -216,15 +216,19 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+PENDING = ("echo", "prompt_logprobs", "structured_outputs")
+
+
 def _check_fields(body: dict, honoured: frozenset[str]) -> tuple[str, ...]:
     """Refuse a known field the server does not honour (400 naming it); return the unknown fields, sorted."""
     for name, (accepts, advice) in UNSUPPORTED.items():
         if name in body and name not in honoured and not accepts(body[name]):
             raise APIError(f"'{name}' is not supported by this server: {advice}", param=name,
                            code="unsupported_parameter")
-    if body.get("echo"):             # handled by the prompt-logprobs work; until then refused
-        raise APIError("'echo' is not supported by this server; leave it out", param="echo",
-                       code="unsupported_parameter")
+    for name in PENDING:             # known and coming (prompt logprobs, structured outputs); until then refused
+        if name in honoured and body.get(name) not in (None, False):
+            raise APIError(f"'{name}' is not supported by this server yet; leave it out", param=name,
+                           code="unsupported_parameter")
     return tuple(sorted(str(name)[:64] for name in body if name not in honoured and name not in UNSUPPORTED))
 
 
