@@ -75,16 +75,15 @@ def _check(llm, prompts, params, ids, outputs) -> None:
     assert engine.sampler.num_requests == 0
 
 
-@pytest.mark.parametrize("prefix_cache, overlap", [(True, True), (False, False)])
-def test_a_sampler_failure_fails_only_its_request(monkeypatch, prefix_cache, overlap):
-    llm = _llm(prefix_cache=prefix_cache, overlap=overlap, chunked_prefill_tokens=16)
+def test_a_sampler_failure_fails_only_its_request(monkeypatch):
+    llm = _llm(prefix_cache=True, overlap=True, chunked_prefill_tokens=16)
     prompts = _prompts()
     prompts[-1][20] = 7                       # the sampler poison needs no magic token
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
                              frequency_penalty=0.5),          # its counts must be rebuilt after a rollback
-              SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=11, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+              SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)]
     sampler = llm.engine.sampler
     original = sampler.sample
     poison_id = "req-3"
@@ -105,7 +104,7 @@ def test_a_sampler_failure_fails_only_its_request(monkeypatch, prefix_cache, ove
 def test_a_model_failure_fails_only_its_request(monkeypatch):
     llm = _llm(prefix_cache=True, chunked_prefill_tokens=16)
     prompts = _prompts()
-    params = [SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)] * len(prompts)
     runner = llm.engine.runner
     original = runner.forward
 
@@ -129,7 +128,7 @@ def test_waiting_queue_matches_a_deque_under_random_operations():
     rng = random.Random(0)
     queue, model = WaitingQueue(), []
     live = [_request(i) for i in range(200)]
-    for _ in range(5000):
+    for _ in range(2000):
         op = rng.random()
         outside = [r for r in live if r not in model]
         if op < 0.35 and outside:

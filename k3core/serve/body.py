@@ -1,8 +1,9 @@
 """Request bodies read and parsed without letting one client hurt the others.
 
 * the read has a deadline (a client that trickles its body is answered 408) and a byte limit (413);
-* parsing runs in a worker thread, never on the event loop, and at most one large body is parsed at a time, so
-  the memory of parsing is bounded by one body, not by the number of clients sending them;
+* a body over 64 KiB is parsed in a worker thread, not on the event loop, and at most one over 1 MiB at a time, so
+  that a large body stalls nobody and the memory of parsing is bounded by one body, not by the number of clients
+  sending them;
 * what cannot be served is refused with a 400 before or instead of a 500: a body that is not UTF-8, JSON with
   NaN/Infinity, nesting past the parser's recursion limit, integers of more than 4300 digits (Python's limit),
   strings holding a lone UTF-16 surrogate (`"\\ud800"`: no encoder can write it back), and bodies with more JSON
@@ -20,6 +21,7 @@ from typing import Any
 from k3core.serve.protocol import APIError
 
 MAX_JSON_VALUES = 2_000_000          # commas + 1 in a body; a 1M-token prompt as ids has 1M
+INLINE_BODY_BYTES = 64 << 10        # bodies up to this are parsed on the event loop (well under a millisecond)
 LARGE_BODY_BYTES = 1 << 20           # bodies above this are parsed one at a time
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _large_parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3core-json")   # large bodies queue here
@@ -30,7 +32,7 @@ def _constant(name: str) -> Any:
 
 
 def parse_json(data: bytes) -> Any:
-    """The JSON value of `data`, or APIError 400 (blocking: call it from a worker thread for large bodies)."""
+    """The JSON value of `data`, or APIError 400 (blocking: run it in a worker thread for large bodies)."""
     if data.count(b",") + 1 > MAX_JSON_VALUES:
         raise APIError(f"the request body holds more than {MAX_JSON_VALUES} JSON values; send fewer prompts or "
                        "split the request", code="request_too_large")
@@ -55,7 +57,10 @@ def parse_json(data: bytes) -> Any:
 
 
 async def parse_json_off_loop(data: bytes) -> Any:
-    """parse_json in a worker thread; large bodies wait for each other (one parse of a large body at a time)."""
+    """parse_json: small bodies at once, others in a worker thread; large bodies wait for each other (one parse of
+    a large body at a time)."""
+    if len(data) <= INLINE_BODY_BYTES:                 # microseconds: a thread hop would cost more
+        return parse_json(data)
     if len(data) <= LARGE_BODY_BYTES:
         return await asyncio.to_thread(parse_json, data)
     return await asyncio.get_running_loop().run_in_executor(_large_parser, parse_json, data)
