@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3core.isolation import Quarantine, roll_back
 from k3core.mixed_step import run_split, split_mixed
 from k3core.model.batch import FutureTokens, SeqWork
 from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
@@ -125,7 +126,7 @@ class StepOutput:
     finish_reason: str | None = None
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
-    error: str | None = None    # set with finish_reason "error": this request failed, the rest of its batch did not
+    error: str | None = None    # finish_reason "error": what failed while running this request's work
     prompt_logprobs: PromptLogprobs | None = None    # on the request's first output, when asked for
 
 
@@ -179,6 +180,10 @@ class Engine:
         # Overlap needs the sampled ids on the device of the next step: one device only.
         self.overlap = options.overlap and plan.is_single
         self._in_flight: _Launched | None = None
+        self._launching: list | None = None          # the chunks of the step being launched (until its sample)
+        self._processing: _Launched | None = None    # the step whose sample is being read
+        self._outputs: list[StepOutput] = []         # what this step has emitted so far
+        self.quarantine = Quarantine()               # k3core.isolation: failed steps fail their culprit only
         self.requests: dict[str, Request] = {}
         self.output_texts: dict[str, OutputText] = {}     # of the unfinished requests, by request id
         self._ids = itertools.count()
@@ -244,6 +249,7 @@ class Engine:
         self.sampler.remove_request(request_id)
         if self.constraints is not None:
             self.constraints.remove(request_id)
+        self.quarantine.cleared(request_id)
         self._close_text(request)
         return True
 
@@ -257,19 +263,76 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One step. Overlapped (`EngineOptions.overlap`): launch step N+1 on the device, then read and emit step
-        N's tokens while the GPU runs N+1; the outputs are those of the plain loop, one step later."""
-        if not self.overlap:
-            return self._process(self._launch(None))
+        N's tokens while the GPU runs N+1; the outputs are those of the plain loop, one step later.
+
+        A failure in the forward pass or the sampler is isolated (k3core.isolation): the step is rolled back, its
+        requests recompute, and only the request that fails on its own ends, with finish_reason "error"."""
+        self._outputs = []
+        try:
+            self._step()
+        except Exception as exc:
+            if not self._recover(exc):
+                raise
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _step(self) -> None:
+        if not self.overlap or self.quarantine.active:     # suspects run alone, one step after the other
+            if self._in_flight is not None:
+                self._process_step(self._in_flight)
+                self._in_flight = None
+            self._process_step(self._launch(None))
+            return
         previous = self._in_flight
         if previous is not None and self._holds_constrained(previous):
             # its constrained rows' next masks need the tokens it sampled: read them before launching
             self.num_resolved_steps += 1
             self._in_flight = None
-            outputs = self._process(previous)
+            self._process_step(previous)
             self._in_flight = self._launch(None)
-            return outputs
+            return
         self._in_flight = self._launch(previous)      # before reading `previous`: a failure there leaves no stale record
-        return self._process(previous)
+        self._process_step(previous)
+
+    def _process_step(self, launched: _Launched | None) -> None:
+        self._processing = launched
+        self._process(launched, self._outputs)
+        self._processing = None
+
+    def _recover(self, exc: Exception) -> bool:
+        """Roll back the failed step (k3core.isolation); False if it cannot be isolated (then the caller raises)."""
+        launching, processing = self._launching, self._processing
+        self._launching = self._processing = None
+        if not self.llm.plan.is_single or (launching is None and processing is None):
+            return False                  # every rank must take the same decisions; or a bookkeeping bug
+        message = f"the engine failed while running this request ({type(exc).__name__}: {exc})"
+        in_flight, self._in_flight = self._in_flight, None
+        culprits = [c.request for c in launching] if launching is not None else processing.requests
+        involved = list(culprits)
+        for launched in (processing, in_flight):
+            if launched is not None:
+                involved.extend(launched.requests)
+        for chunk in launching or []:
+            self.scheduler.unschedule(chunk)      # its snapshot slots were never committed
+        alone = len({r.request_id for r in culprits}) == 1
+        if alone:                                 # the step held one request: it failed on its own
+            self._outputs.append(self._fail(culprits[0], message))
+        self.quarantine.num_failures += 1
+        for request in roll_back(self, involved):
+            if not alone:
+                self.quarantine.suspects.add(request.request_id)
+        return True
+
+    def _fail(self, request: Request, message: str) -> StepOutput:
+        """End a request whose own work failed; its memory is freed as for an abort."""
+        self._drop_unresolved(request)
+        request.finish_reason = "error"
+        self.scheduler.abort(request)
+        self.sampler.remove_request(request.request_id)
+        if self.constraints is not None:
+            self.constraints.remove(request.request_id)
+        self.quarantine.cleared(request.request_id)
+        return StepOutput(request.request_id, [], True, "error", new_text=self._close_text(request), error=message)
 
     def _constraints(self):
         if self.constraints is None:
@@ -286,6 +349,8 @@ class Engine:
         """Schedule, build the batch, run the network and the sampler: device work only, no wait for the GPU.
         A decode whose input token `previous` sampled reads it from the device (FutureTokens)."""
         chunks = self.scheduler.schedule()
+        if chunks and self.quarantine.active:
+            chunks = self.quarantine.select(chunks, self.scheduler)
         if not chunks:
             return None
         assert len({id(c.request) for c in chunks}) == len(chunks), "the scheduler gave a request two chunks"
@@ -323,6 +388,7 @@ class Engine:
                            for s in chunk.snapshots]))
             flat += chunk.num_tokens
         future = FutureTokens(previous.sample.token_ids, positions, rows) if positions else None
+        self._launching = chunks                  # a failure from here to the sample is rolled back (_recover)
         logits = self._forward(work, future)                                             # [R, V] or None
         prompt = None
         if prompt_rows:                        # one device (add_request): every row is here
@@ -332,6 +398,7 @@ class Engine:
                 logits = logits[index_tables([sample_rows], logits.device, torch.int64)[0]]   # [S, V]
         sampled = [c.request for c in chunks if c.samples]
         sample = self._sample(logits, sampled) if sampled else None
+        self._launching = None
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if chunk.snapshots:
@@ -341,22 +408,22 @@ class Engine:
             request.num_unresolved += 1
         return _Launched(sampled, sample, {r.request_id: row for row, r in enumerate(sampled)}, prompt)
 
-    def _process(self, launched: _Launched | None) -> list[StepOutput]:
-        """Read a launched step's sampled ids (the one wait for the GPU) and emit them: placeholders replaced,
-        logprobs, incremental text and stop checks, finishes. Requests finished or aborted since are skipped."""
+    def _process(self, launched: _Launched | None, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Read a launched step's sampled ids (the one wait for the GPU) and emit them into `outputs`: placeholders
+        replaced, logprobs, incremental text and stop checks, finishes. Requests finished or aborted since are
+        skipped; a request whose own emission fails is failed alone (on one device)."""
         if launched is None:
-            return []
+            return outputs
         if launched.prompt is not None:
             launched.prompt.result()
         if launched.sample is None:
-            return []
+            return outputs
         host = launched.sample.result()
-        outputs = []
         for row, request in enumerate(launched.requests):
             if request.is_finished:
                 continue
-            if row in getattr(launched.sample, "failed", {}):
-                outputs.append(self._fail_request(request, launched.sample.failed[row]))
+            if row in getattr(launched.sample, "failed", {}):      # under a plan: every rank fails it alike
+                outputs.append(self._fail(request, launched.sample.failed[row]))
                 continue
             if request.params.max_tokens == 0:     # the prompt only: the token sampled after it is not output
                 outputs.append(self._finish_prompt_only(request))
@@ -364,7 +431,14 @@ class Engine:
             index = len(request.output_token_ids) - request.num_unresolved
             request.output_token_ids[index] = host.token_ids[row]
             request.num_unresolved -= 1
-            outputs.append(self._append_token(request, host.token_ids[row], host.logprobs[row]))
+            self.quarantine.cleared(request.request_id)
+            try:
+                outputs.append(self._append_token(request, host.token_ids[row], host.logprobs[row]))
+            except Exception as exc:  # noqa: BLE001 (this request's text or stop check: fail it, not the batch)
+                if not self.llm.plan.is_single:
+                    raise                # a failure on one rank alone would leave the ranks out of step
+                outputs.append(self._fail(request, f"the engine failed while emitting this request's token "
+                                                   f"({type(exc).__name__}: {exc})"))
         return outputs
 
     def _forward(self, work: list[SeqWork], future: FutureTokens | None) -> torch.Tensor | None:
@@ -425,12 +499,6 @@ class Engine:
             token_ids.append(one.token_ids[0])
             logprobs.append(one.logprobs[0])
         return ResolvedSample(HostSample(token_ids, logprobs), failed=failed)
-
-    def _fail_request(self, request: Request, error: str) -> StepOutput:
-        """End a request whose step failed (its computed pages are not donated to the cache)."""
-        self.abort(request.request_id)
-        request.finish_reason = "error"
-        return StepOutput(request.request_id, [], True, "error", error=error)
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]) -> DeviceSample:
         """The sampler's call, with the token bitmask of the constrained rows when there are any (a batch without
@@ -551,7 +619,7 @@ class Engine:
     def drain(self) -> list[StepOutput]:
         """Read back the step in flight, if any (overlap), without launching another."""
         launched, self._in_flight = self._in_flight, None
-        return self._process(launched)
+        return self._process(launched, [])
 
     # ---- memory ---------------------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -207,6 +207,21 @@ class Sampler:
         if state is not None and state.count_slot is not None:
             self._free_slots.append(state.count_slot)
 
+    def recount(self, request_id: str, prompt_token_ids, output_token_ids) -> None:
+        """Rebuild a request's penalty counts from its tokens (after a failed step was rolled back, the counts may
+        hold ids that were sampled but then dropped). Requests without penalties keep no counts: nothing to do."""
+        state = self._requests.get(request_id)
+        if state is None or state.count_slot is None:
+            return
+        slot = state.count_slot
+        prompt = [t for t in prompt_token_ids if 0 <= t < self.vocab_size]
+        output = [t for t in output_token_ids if 0 <= t < self.vocab_size]
+        prompt_ids, output_ids = index_tables([prompt, output], self.device, torch.int64)
+        self._prompt_seen[slot].zero_()
+        self._prompt_seen[slot, prompt_ids] = True
+        self._output_counts[slot].zero_()
+        self._output_counts[slot].index_add_(0, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
+
     @property
     def num_requests(self) -> int:
         return len(self._requests)

@@ -13,16 +13,18 @@ Rules callers rely on:
   the step is launched;
 * decodes are scheduled before prefill chunks; when a decode cannot get a page, the running request that is
   cheapest to recompute (fewest computed tokens) is retracted and requeued at the front;
+* abort and finish cost the same however many requests wait (the waiting queue removes lazily; the running
+  list is bounded by max_running_requests);
 * a request whose sampled token is still on the device (overlapped steps: `Request.num_unresolved`) decodes it
   from there, is never admitted until it is known, and is not scheduled once it holds all its tokens.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from k3core.memory.layout import SlotHandle
 from k3core.sched.request import Request, Status
+from k3core.sched.waiting import WaitingQueue
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Scheduler:
         self.pool = pool
         self.cache = cache                     # RadixCache or None (prefix cache off)
         self.options = options
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()           # abort and finish remove from it in O(1)
         self.running: list[Request] = []
         self.num_retractions = 0
 
@@ -128,6 +130,15 @@ class Scheduler:
             if victim is not None and len(self.running) > 1:
                 self.retract(victim)
         return chunks
+
+    def unschedule(self, chunk: ScheduledChunk) -> None:
+        """Take back a chunk that will not run this step (before its step is launched): its snapshot slots return
+        to the pool and their positions to the request. Its pages stay the request's, for when it runs."""
+        request = chunk.request
+        for snapshot in chunk.snapshots:
+            if snapshot.slot is not None:
+                self.pool.free_slot(snapshot.slot)
+        request.checkpoint_positions = [s.position for s in chunk.snapshots] + request.checkpoint_positions
 
     def _prefill_chunk(self, request: Request, budget: int) -> ScheduledChunk | None:
         start = request.num_computed_tokens

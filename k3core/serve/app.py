@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,9 @@ from k3core.serve import chat as chat_module
 from k3core.serve import constraints
 from k3core.serve import responses
 from k3core.serve.access_log import AccessLogMiddleware, note_error, note_usage
+from k3core.serve.admission import Admission
 from k3core.serve.args import ServerArgs
+from k3core.serve.body import parse_json_off_loop, read_body
 from k3core.serve.engine_thread import EngineThread, ModelInfo
 from k3core.serve.generation import Generation
 from k3core.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
@@ -32,16 +35,18 @@ from k3core.serve.protocol import APIError, ChatRequest, CompletionRequest, Samp
     parse_completion
 
 DISCONNECT_POLL_S = 0.5      # a non-streaming request checks this often whether its client is still there
+log = logging.getLogger("k3core.serve")
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -> FastAPI:
     app = FastAPI(title="k3core", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(AccessLogMiddleware, log_requests=not args.disable_log_requests)
     generations: dict[str, Generation] = {}        # request id -> its live generation, for /abort_request
+    admission = Admission(args.max_queued_requests, args.max_queued_tokens)
     sampling_defaults = chat_module.generation_defaults(args.model)     # generation_config.json: temperature, top_p, top_k
     started = int(time.time())                     # the model cards' `created`
 
@@ -84,20 +89,11 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         return engine.info
 
     async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > args.max_body_bytes:
-            raise APIError(f"the request body has {declared} bytes; this server accepts at most "
-                           f"{args.max_body_bytes} (--max-body-bytes)", status=413, code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > args.max_body_bytes:
-                raise APIError(f"the request body is larger than {args.max_body_bytes} bytes (--max-body-bytes)",
-                               status=413, code="request_too_large")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+        """The parsed body (off the event loop; see k3core.serve.body for what is refused and why)."""
+        data = await read_body(request, args.max_body_bytes, args.body_read_timeout)
+        if data is None:
+            raise APIError("the client disconnected while sending the body", code="client_disconnected")
+        return await parse_json_off_loop(data)
 
     def check_model(name: str) -> None:
         if name != args.model_name:
@@ -116,6 +112,9 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
             raise APIError(f"This model's maximum context length is {info.context_length} tokens. However, your "
                            f"request has {longest} input tokens. Please reduce the length of the input.",
                            param="messages" if chat else "prompt", code="context_length_exceeded")
+        if "top_k" in req.given and req.top_k > info.vocab_size:
+            raise APIError(f"'top_k' must be at most the vocabulary size {info.vocab_size} (0 or -1 turns it off), "
+                           f"got {req.top_k}", param="top_k", code="invalid_value")
         max_tokens = req.max_tokens
         room = info.max_request_tokens()
         if max_tokens is None:
@@ -160,7 +159,14 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         wanted = [n for n in wanted if n is not None]
         return max(wanted) if wanted else None
 
-    async def collect(gen: Generation, request: Request) -> bool:
+    def timed_out(arrived: float) -> APIError | None:
+        if args.request_timeout is None or time.monotonic() - arrived < args.request_timeout:
+            return None
+        return APIError(f"the request ran longer than {args.request_timeout:g} s (--request-timeout) and was "
+                        "aborted; ask for fewer tokens or a shorter prompt", status=504, type="server_error",
+                        code="request_timeout")
+
+    async def collect(gen: Generation, request: Request, arrived: float) -> bool:
         """Wait for every choice; False (and everything aborted) if the client disconnected meanwhile."""
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
@@ -169,6 +175,9 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                     if await request.is_disconnected():
                         return False
                     next_check = time.monotonic() + DISCONNECT_POLL_S
+                timeout = timed_out(arrived)
+                if timeout is not None:
+                    raise timeout
         finally:
             gen.close()
         if gen.error is not None:
@@ -186,7 +195,15 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                 yield responses.sse(responses.chat_chunk(gen, model, [
                     responses.chat_choice_delta(gen, c, {"role": "assistant", "content": ""}, [], [], False)
                     for c in gen.choices]))
-            async for choice, delta, event in gen.events():
+            poll = None if args.request_timeout is None else DISCONNECT_POLL_S
+            async for choice, delta, event in gen.events(poll_s=poll):
+                timeout = timed_out(arrived)
+                if timeout is not None:
+                    gen.close()
+                    yield responses.sse(timeout.body())
+                    break
+                if choice is None:
+                    continue
                 token_ids, entries = event.new_token_ids, event.new_logprobs
                 message = responses.chat_delta(choice, delta) if chat else None
                 if not (message if chat else delta) and not choice.finished and not (
@@ -213,7 +230,14 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         authorize(request)
         body = await read_json(request)
         req: CompletionRequest | ChatRequest = parse_chat(body) if chat else parse_completion(body)
+        if req.ignored:
+            log.warning("ignored unknown request fields: %s", ", ".join(req.ignored))
         check_model(req.model)
+        num_choices = req.n * (1 if chat else len(req.prompts))
+        if num_choices > args.max_choices_per_request:
+            raise APIError(f"the request asks for {num_choices} choices (prompts x n); this server takes at most "
+                           f"{args.max_choices_per_request} per request (--max-choices-per-request)",
+                           param="n" if chat or len(req.prompts) == 1 else "prompt", code="request_too_large")
         info = ready_info()
         parser_factory = None
         if chat:
@@ -229,15 +253,19 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
         echo_texts = None
         if isinstance(req, CompletionRequest) and req.echo:     # the prompt as given, or its ids decoded
             echo_texts = [p if isinstance(p, str) else info.tokenizer.decode(p) for p in req.prompts]
+        ticket = admission.admit(num_choices, req.n * sum(len(p) for p in prompts))
         gen = Generation(engine, request_id, prompts, params, req.n, info.tokenizer, generations,
                          include_usage=req.include_usage, parser_factory=parser_factory, echo_texts=echo_texts,
-                         prompt_logprobs=req.prompt_logprobs)
+                         prompt_logprobs=req.prompt_logprobs,
+                         max_buffered_events=args.max_stream_buffer_events if req.stream else None,
+                         on_done=ticket.release, hide_cached_tokens=args.hide_cached_tokens)
+        weakref.finalize(gen, ticket.release)    # a stream whose response never started never closes its generation
         note_usage(request, gen.usage)
         if req.stream:
             return StreamingResponse(stream(gen, args.model_name, chat, arrived), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         gen.start(arrived)
-        if not await collect(gen, request):
+        if not await collect(gen, request, arrived):
             note_error(request, "the client disconnected before the response; its request was aborted")
             return Response(status_code=499)        # the client left; nobody reads this
         return JSONResponse(responses.chat_body(gen, args.model_name) if chat

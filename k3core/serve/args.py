@@ -29,6 +29,16 @@ class ServerArgs:
     context_length: int | None = None        # cap below the model's max_position_embeddings
     default_max_tokens: int = 32768          # chat requests without max_tokens: min(this, room left in context)
     max_body_bytes: int = 32 << 20           # larger request bodies get 413
+    # request limits (docs/serving.md, "Limits")
+    max_choices_per_request: int = 1024      # prompts x n of one request
+    max_queued_requests: int = 4096          # engine requests held (running or waiting); more: 429
+    max_queued_tokens: int = 1 << 24         # their prompt tokens; more: 429
+    request_timeout: float | None = None     # seconds from arrival until a request is aborted (504); None: never
+    header_read_timeout: float = 10.0        # seconds a connection may take to send a request's headers
+    body_read_timeout: float = 60.0          # seconds a request may take to send its body (408)
+    keep_alive_timeout: float = 5.0          # seconds an idle keep-alive connection stays open
+    max_stream_buffer_events: int = 8192     # events a stream may hold for a client that does not read; more: abort
+    hide_cached_tokens: bool = False         # leave usage.prompt_tokens_details.cached_tokens out of responses
     log_level: str = "info"
     disable_log_requests: bool = False       # no access-log line per request (error lines stay)
     # engine options (k3core.engine.EngineOptions)
@@ -111,6 +121,19 @@ _HELP = {
     "default_max_tokens": "cap on max_tokens of a chat request that gives none, which otherwise gets all the room "
                           "left in the context and the pool (a thinking model needs room to think before answering)",
     "max_body_bytes": "largest accepted request body in bytes (larger: 413)",
+    "max_choices_per_request": "most choices (prompts x n) one request may ask for (more: 400)",
+    "max_queued_requests": "most engine requests (choices) the server holds, running or waiting; a request that "
+                           "would pass it gets 429 with Retry-After",
+    "max_queued_tokens": "most prompt tokens the server holds over those requests (more: 429 with Retry-After)",
+    "request_timeout": "seconds after arrival at which a request is aborted (504, or an error event in a stream); "
+                       "default: no deadline",
+    "header_read_timeout": "seconds a connection may take to send its request line and headers (slow: closed)",
+    "body_read_timeout": "seconds a request may take to send its body (slow: 408)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
+    "max_stream_buffer_events": "events a streamed response may hold for a client that reads too slowly; past it "
+                                "the request is aborted and its memory freed",
+    "hide_cached_tokens": "leave usage.prompt_tokens_details.cached_tokens out, so that one client cannot tell "
+                          "from it which prompts others sent (the prefix cache is shared)",
     "log_level": "log level of the server and uvicorn: critical | error | warning | info | debug",
     "disable_log_requests": "do not write the access-log line of every request (logger k3core.serve.access); the "
                             "line with the reason of every 4xx/5xx response stays",
@@ -161,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML file whose keys are these long flag names")
     for field in fields(ServerArgs):
         default = field.default
-        kind = {"int | None": int, "float": float, "int": int, "str | None": str, "str": str}.get(str(field.type))
+        kind = {"int | None": int, "float": float, "float | None": float, "int": int, "str | None": str,
+                "str": str}.get(str(field.type))
         if field.type == "bool" or isinstance(default, bool):
             # default=None so that "not given" is distinguishable from "given" when merging with the YAML file
             parser.add_argument(_flag(field.name), action="store_true", default=None, help=_HELP[field.name])
@@ -200,7 +224,7 @@ def _coerce(name: str, value: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError
             return value
-        if isinstance(default, float):
+        if isinstance(default, float) or name == "request_timeout":
             return float(value)
         if name == "graph_batch_sizes" and isinstance(value, list):
             return ",".join(str(int(v)) for v in value)
@@ -248,6 +272,13 @@ def check_args(args: ServerArgs) -> str | None:
         return "--default-max-tokens must be at least 1"
     if args.max_body_bytes < 1024:
         return "--max-body-bytes must be at least 1024"
+    for name in ("max_choices_per_request", "max_queued_requests", "max_queued_tokens", "max_stream_buffer_events"):
+        if getattr(args, name) < 1:
+            return f"{_flag(name)} must be at least 1"
+    for name in ("request_timeout", "header_read_timeout", "body_read_timeout", "keep_alive_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            return f"{_flag(name)} must be a positive number of seconds"
     try:
         from k3core.engine import EngineOptions
         EngineOptions(**args.engine_options())

@@ -65,22 +65,32 @@ class Choice:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None            # None: hidden (--hide-cached-tokens)
 
     def body(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        body = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return body
 
 
 class Generation:
     def __init__(self, engine: EngineThread, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False,
                  parser_factory: Callable[[], Any] | None = None, echo_texts: list[str] | None = None,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, max_buffered_events: int | None = None,
+                 on_done: Callable[[], None] | None = None, hide_cached_tokens: bool = False):
         """`echo_texts`: completions with echo, the text of each prompt (its choices' text starts with it);
-        `prompt_logprobs`: the top-N of vLLM's `prompt_logprobs` field, None = no such field."""
+        `prompt_logprobs`: the top-N of vLLM's `prompt_logprobs` field, None = no such field.
+        `max_buffered_events`: engine events waiting for the client to read them, at most; past that the client
+        is too slow (a stalled reader) and every choice is aborted, its events dropped. `on_done` runs once, when
+        the generation closes or is aborted that way."""
         self.engine = engine
+        self.max_buffered_events = max_buffered_events
+        self.on_done = on_done
+        self.hide_cached_tokens = hide_cached_tokens
+        self.overflowed = False
         self.include_usage = include_usage
         self.request_id = request_id
         self.prompts = prompts
@@ -111,8 +121,36 @@ class Generation:
                 params = SamplingParams(**vars(params))
 
             def sink(event: EngineEvent, index: int = choice.index) -> None:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+                if not loop.is_closed():             # the server has shut down: nobody waits for the event
+                    loop.call_soon_threadsafe(self._put, index, event)
             self.engine.submit(choice.engine_id, self.prompts[choice.prompt_index], params, sink, arrival)
+
+    def _put(self, index: int, event: EngineEvent) -> None:
+        if self.overflowed:
+            return
+        if self.max_buffered_events is not None and self.queue.qsize() >= self.max_buffered_events:
+            self._overflow()
+            return
+        self.queue.put_nowait((index, event))
+
+    def _overflow(self) -> None:
+        """The client stopped reading: abort every choice, free the buffered events, wake a waiting reader."""
+        self.overflowed = True
+        message = (f"the client read the stream too slowly ({self.max_buffered_events} events were waiting); the "
+                   "request was aborted: read the stream as it arrives")
+        for choice in self.choices:
+            if not choice.finished:
+                self.engine.abort(choice.engine_id)
+                choice.finish_reason, choice.error = "abort", message
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait((-1, None))          # wakes events() if it waits; it then sees every choice finished
+        self._done()
+
+    def _done(self) -> None:
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done()
 
     @property
     def finished(self) -> bool:
@@ -131,6 +169,8 @@ class Generation:
                     index, event = await asyncio.wait_for(self.queue.get(), poll_s)
             except asyncio.TimeoutError:
                 yield None, "", None
+                continue
+            if event is None:
                 continue
             choice = self.choices[index]
             if choice.finished:
@@ -158,6 +198,7 @@ class Generation:
                 self.engine.abort(choice.engine_id)
                 choice.finish_reason = "abort"
         self.registry.pop(self.request_id, None)
+        self._done()
 
     def abort(self) -> None:
         """Abort on request of another client (POST /abort_request); the events report finish_reason 'abort'."""
@@ -170,7 +211,8 @@ class Generation:
         cached = [0] * len(self.prompts)
         for choice in self.choices:
             cached[choice.prompt_index] = max(cached[choice.prompt_index], choice.num_cached_tokens)
-        return Usage(prompt_tokens, sum(len(c.token_ids) for c in self.choices), sum(cached))
+        return Usage(prompt_tokens, sum(len(c.token_ids) for c in self.choices),
+                     None if self.hide_cached_tokens else sum(cached))
 
     @property
     def error(self) -> str | None:

@@ -20,6 +20,7 @@ from k3core.serve.app import create_app
 from k3core.serve.args import ServerArgs
 from k3core.serve.engine_process import EngineProcess
 from k3core.serve.engine_thread import EngineThread
+from k3core.serve.http_protocol import h11_with_header_timeout
 from k3core.serve.liveness import RankWatcher
 from k3core.serve.metrics import ServerMetrics
 
@@ -141,5 +142,7 @@ def build_server(args: ServerArgs) -> Server:
     app = create_app(args, engine, metrics)
     # uvicorn's own access log stays off: k3core.serve.access writes one line per request, with tokens
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=2, access_log=False)
+                            timeout_graceful_shutdown=2, access_log=False,
+                            http=h11_with_header_timeout(args.header_read_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout)
     return Server(args, engine, metrics, uvicorn.Server(config), watcher)

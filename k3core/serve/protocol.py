@@ -6,8 +6,9 @@ model (context length, vocabulary) are checked in `app.py`, which knows the mode
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 MAX_N = 64
 MAX_STOP = 256               # stop strings per request (matched incrementally: the cost is per new character)
@@ -21,9 +22,10 @@ class APIError(Exception):
     """An error returned to the client in the OpenAI envelope `{"error": {message, type, param, code}}`."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.headers = headers or {}           # e.g. Retry-After on a 429
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -55,6 +57,7 @@ class SamplingRequest:
     include_usage: bool = False
     structured_outputs: dict[str, Any] | None = None   # vLLM's: exactly one of json / regex / choice / grammar
     given: frozenset[str] = frozenset()    # the fields the body sets (the rest may take the model's defaults)
+    ignored: tuple[str, ...] = ()          # unknown fields of the body: ignored, and named in one log line
 
 
 @dataclass
@@ -125,7 +128,7 @@ def _float(body: dict, name: str, default: float, low: float, high: float, low_o
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _type_error(name, "a number", value)
-    if value > high or value < low or (low_open and value == low):
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise APIError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name,
                        code="invalid_value")
     return float(value)
@@ -226,7 +229,58 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
     return {key: item}
 
 
-def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], echo: bool = False) -> dict[str, Any]:
+
+
+# ---- which fields each endpoint honours ---------------------------------------------------------------
+# Policy (as vLLM): a field the server honours is read below; a known OpenAI/vLLM field it does not honour is a
+# 400 naming it whenever it asks for something other than the default; any other field is ignored and named in
+# one warning log line. docs/serving.md lists the three sets.
+SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "logit_bias", "stream", "stream_options",
+    "user",                  # metadata for the caller's own bookkeeping; harmless, accepted as vLLM does
+})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "structured_outputs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "response_format",
+    "structured_outputs", "chat_template_kwargs", "reasoning_effort", "prompt_logprobs", "echo",
+    "parallel_tool_calls"}
+
+
+def _default(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+
+# field -> (accepts this value, what to do instead); a value it does not accept is a 400 naming the field
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "best_of": (_default(1), "only best_of 1 is supported; use n for several samples"),
+    "suffix": (_default(""), "insertion (suffix) is not supported; leave it out"),
+    "use_beam_search": (_default(False), "beam search is not supported; leave it out"),
+    "length_penalty": (_default(1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "truncate_prompt_tokens": (_default(), "prompts are never truncated; shorten the prompt instead"),
+    "functions": (_default(), "the legacy functions field is not supported; use tools"),
+    "function_call": (_default(), "the legacy function_call field is not supported; use tool_choice"),
+    "store": (_default(False), "this server stores no completions; leave store out"),
+    "audio": (_default(), "audio output is not supported; leave it out"),
+    "modalities": (_default(["text"]), "only text output is supported; leave modalities out"),
+    "prediction": (_default(), "predicted outputs are not supported; leave prediction out"),
+    "web_search_options": (_default(), "web search is not supported; leave web_search_options out"),
+}
+
+
+def _check_fields(body: dict, honoured: frozenset[str]) -> tuple[str, ...]:
+    """Refuse a known field the server does not honour (400 naming it); return the unknown fields, sorted."""
+    for name, (accepts, advice) in UNSUPPORTED.items():
+        if name in body and name not in honoured and not accepts(body[name]):
+            raise APIError(f"'{name}' is not supported by this server: {advice}", param=name,
+                           code="unsupported_parameter")
+    return tuple(sorted(str(name)[:64] for name in body
+                        if name not in honoured and name not in UNSUPPORTED and name not in GUIDED_FIELDS))
+
+
+def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], honoured: frozenset[str],
+                     echo: bool = False) -> dict[str, Any]:
     """The fields both endpoints share; `echo`: the endpoint takes echo (and then max_tokens 0 with it)."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
@@ -234,7 +288,11 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], echo: bool = 
     if not isinstance(model, str) or not model:
         raise APIError("'model' is required and must be a string naming the model (see GET /v1/models)",
                        param="model", code="invalid_type" if model is not None else "missing_required_parameter")
+    ignored = _check_fields(body, honoured)
     _unsupported(body, echo)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _type_error("user", "a string", user)
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _int(body, name, max_tokens, low=0 if echo else 1)
@@ -272,12 +330,13 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], echo: bool = 
         include_usage=stream and _bool(stream_options or {}, "include_usage", False),
         structured_outputs=_structured_outputs(body),
         given=frozenset(name for name, value in body.items() if value is not None),
+        ignored=ignored,
     )
 
 
 # ---- the two request kinds -----------------------------------------------------------------------
 def parse_completion(body: Any) -> CompletionRequest:
-    common = _sampling_fields(body, ("max_tokens",), echo=True)
+    common = _sampling_fields(body, ("max_tokens",), COMPLETION_FIELDS, echo=True)
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
@@ -414,7 +473,7 @@ def _thinking(body: dict) -> tuple[bool | None, str | None, dict[str, Any]]:
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    common = _sampling_fields(body, ("max_tokens", "max_completion_tokens"))
+    common = _sampling_fields(body, ("max_tokens", "max_completion_tokens"), CHAT_FIELDS)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise APIError("'messages' is required and must be a non-empty list of {role, content} objects",

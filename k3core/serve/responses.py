@@ -17,9 +17,15 @@ from k3core.serve.text import token_text
 from k3core.stop import IncrementalDetokenizer
 
 
+# Characters that json.dumps(ensure_ascii=False) leaves raw but that line-based SSE readers (Python's
+# str.splitlines, JavaScript line terminators) take for line breaks: escaped, the event stays one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event; its JSON is one line for every reader."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = sse("[DONE]")
