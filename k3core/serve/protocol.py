@@ -261,6 +261,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "truncate_prompt_tokens": (_default(), "prompts are never truncated; shorten the prompt instead"),
     "functions": (_default(), "the legacy functions field is not supported; use tools"),
     "function_call": (_default(), "the legacy function_call field is not supported; use tool_choice"),
+    "parallel_tool_calls": (_default(True), "parallel_tool_calls false applies to chat tool calls only"),
     "store": (_default(False), "this server stores no completions; leave store out"),
     "audio": (_default(), "audio output is not supported; leave it out"),
     "modalities": (_default(["text"]), "only text output is supported; leave modalities out"),
