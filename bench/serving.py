@@ -224,6 +224,13 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
                 raise RuntimeError(f"first request failed: {result.error}")
             first.append(result.ttft * 1e3)
         out["first_request_ttft_ms"], out["repeat_ttft_ms"] = first
+        # where a cold first request's time goes: a second prompt never seen (new text, same length class) right
+        # away, then the same after the server sat idle for 5 s (an idle GPU may drop its clocks)
+        for name, pause in (("unseen_prompt_ttft_ms", 0.0), ("after_idle_5s_ttft_ms", 0.2 if args.smoke else 5.0)):
+            httpx.post(url + "/flush_cache", timeout=60)
+            time.sleep(pause)
+            result = asyncio.run(_one(url, model, prompts[1 + int(pause > 0)], 1))
+            out[name] = result.ttft * 1e3 if result.ok else None
         for name, concurrency, count in (("streams_n", args.concurrency, len(prompts)),
                                          ("stream_1", 1, max(2, min(4, len(prompts))))):
             httpx.post(url + "/flush_cache", timeout=60)
