@@ -261,3 +261,24 @@ def test_langchain_chat_openai_invoke_and_bind_tools(server, client):
     assert reply.content == (direct.choices[0].message.content or "")
     assert [call["name"] for call in reply.tool_calls] == \
         [call.function.name for call in direct.choices[0].message.tool_calls or []]
+
+
+def test_langchain_with_structured_output_validates(server):
+    """LangChain's `with_structured_output` (response_format json_schema, strict) against the grammar-constrained
+    server: the reply parses into the pydantic model, greedy and sampled."""
+    import typing
+
+    import langchain_openai
+    import pydantic
+
+    class Point(pydantic.BaseModel):       # bounded fields: a random-ish model cannot run past max_tokens in one
+        color: typing.Literal["red", "green", "blue"]
+        visible: bool
+
+    for temperature in (0.0, 1.0):
+        chat = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key=API_KEY, model=MODEL,
+                                           temperature=temperature, seed=3, max_tokens=160, max_retries=0,
+                                           timeout=120, reasoning_effort="none")
+        point = chat.with_structured_output(Point, method="json_schema", strict=True).invoke(
+            [{"role": "user", "content": "Give a point with a label."}])
+        assert isinstance(point, Point)
