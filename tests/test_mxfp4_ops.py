@@ -132,6 +132,20 @@ def test_tile_options_that_cannot_apply_are_refused():
                                         25.0, tile=tile)
 
 
+def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():
+    """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
+    without half_math (which decodes to bf16 and would be refused for fp16 x)."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    cpu = torch.device("cpu")
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        for pairs, row_class in ((16, "decode"), (16 * 64, "decode"), (8192, "mid"), (16384, "prefill")):
+            want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
+            assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
+            fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
+            assert fp16 == want._replace(half_math=False) and not fp16.half_math
+    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].half_math      # the case the fp16 rule exists for
+
+
 def test_empty_batch_and_shape_errors():
     gen = torch.Generator().manual_seed(14)
     w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)

@@ -59,13 +59,19 @@ class Mxfp4Tile(NamedTuple):
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
 MXFP4_ROW_CLASSES = ((16, "decode"), (96, "mid"), (None, "prefill"))
-# NVIDIA (sm_90) tiles: the hook `python -m bench.moe_mxfp4_sweep` fills. It prints a `paste:` line per class with
-# the fastest tile whose check passed; replace the entry with it (the values below are the ones used before any
-# sweep: the untuned x W^T kernel, 0.37-0.42x the bf16 experts at decode, bench/results/moe-mxfp4-nvidia-h200.md).
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at ab06aa5
+# (/tmp/briefs/mxfp4_sweep.log of that run; geometric mean over the class's cases, every tile checked against the
+# float64 reference and the extreme scales first). decode: swap-AB with bf16 pair math, 0.94-1.00x the bf16 experts
+# at 1-16 tokens, 0.72x at 64; mid / prefill: swap-AB with split x loads, 0.46x at 512 and 0.38x at 1024 tokens.
+# A rerun prints a `paste:` line per class; replace the entry with it. half_math needs bf16: fp16 calls drop it
+# (`mxfp4_tile`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
-    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
-    "prefill": Mxfp4Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+                        scaled=False, half_math=True),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                     scaled=False, half_math=False),
+    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False),
 }
 
 
@@ -87,9 +93,10 @@ def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
     return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
 
 
-def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
+def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
+               dtype: torch.dtype | None = None) -> Mxfp4Tile:
     """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
-    `MXFP4_TILES_NVIDIA`, by mean rows per expert; elsewhere rows
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`); elsewhere rows
     per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
     blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
     stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
@@ -100,7 +107,8 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
     if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
-        return MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
         block_m = min(block_m, 64)
@@ -308,7 +316,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
+        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype)
         blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
                          situ_linear_beta, chunk_tile)
