@@ -37,6 +37,7 @@ from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
+from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
 from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.tuning_ops import current_arch, target
 
@@ -55,6 +56,8 @@ class Mxfp4Tile(NamedTuple):
     split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
     scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
     half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
+    gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
+    #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -242,12 +245,30 @@ def _scaled(tile: Mxfp4Tile) -> dict:
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
+    if tile.gemv:
+        if tile.swap or tile.split_x or tile.scaled or tile.half_math:
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled and half_math "
+                             f"do not apply; set them False, got {tile}")
+        if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
+                tile.block_k & (tile.block_k - 1)):
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
+                             f"a power of two >= {SCALE_BLOCK}, got {tile}")
+        return
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
     if (tile.split_x or tile.scaled or tile.half_math) and not tile.swap:
         raise ValueError(f"moe_experts_mxfp4: split_x, scaled and half_math are options of the swap kernel; set "
                          f"swap=True, got {tile}")
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed codes [E, N, K/2] as int32 words [E, N, K/8] (the gemv kernels' loads), without a copy."""
+    if packed.storage_offset() % 4 or any(stride % 4 for stride in packed.stride()[:-1]):
+        raise ValueError(f"moe_experts_mxfp4: a gemv tile reads the packed codes as int32 words; pass packed "
+                         f"weights whose rows start at 4-byte boundaries (e.g. .contiguous()), got strides "
+                         f"{packed.stride()} at offset {packed.storage_offset()}")
+    return packed.view(torch.int32)
 
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
@@ -265,6 +286,18 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
+    if tile.gemv:
+        words = _words(w13_packed)
+        _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+            x, words, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
+            x.stride(0), words.stride(0), words.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            float(situ_beta if situ_beta is not None else 1.0),
+            float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+            TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_K=hidden_dim % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        return hidden
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
     kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
@@ -286,6 +319,15 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
+    if tile.gemv:
+        words = _words(w2_packed)
+        _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+            hidden, words, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
+            hidden.stride(0), words.stride(0), words.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_K=inter_dim % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        return rows_out
     kernel = _down_swap_kernel if tile.swap else _down_kernel
     kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
