@@ -61,16 +61,21 @@ class Mxfp4Tile(NamedTuple):
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
-MXFP4_ROW_CLASSES = ((16, "decode"), (96, "mid"), (None, "prefill"))
+# decode: up to one row per expert (K3 at 1-7 tokens), where a gemv tile reads each weight once per row;
+# decode_batch: 1-16 rows per expert (8-112 tokens), where the dot kernels' 16-row blocks are mostly full.
+MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (96, "mid"), (None, "prefill"))
 # NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at ab06aa5
 # (/tmp/briefs/mxfp4_sweep.log of that run; geometric mean over the class's cases, every tile checked against the
-# float64 reference and the extreme scales first). decode: swap-AB with bf16 pair math, 0.94-1.00x the bf16 experts
-# at 1-16 tokens, 0.72x at 64; mid / prefill: swap-AB with split x loads, 0.46x at 512 and 0.38x at 1024 tokens.
+# float64 reference and the extreme scales first). decode (then one class over 1-64 tokens, split since into decode
+# and decode_batch, both given its winner until the next sweep): swap-AB with bf16 pair math, 0.94-1.00x the bf16
+# experts at 1-16 tokens, 0.72x at 64; mid / prefill: swap-AB with split x loads, 0.46x at 512 and 0.38x at 1024 tokens.
 # A rerun prints a `paste:` line per class; replace the entry with it. half_math needs bf16: fp16 calls drop it
 # (`mxfp4_tile`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
                         scaled=False, half_math=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                              split_x=False, scaled=False, half_math=True),
     "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
                      scaled=False, half_math=False),
     "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
@@ -86,6 +91,8 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 DOT_SCALED_ARCHES = ("sm_100", "gfx950")
 MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                              scaled=True),
     "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
     "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
 }
