@@ -211,8 +211,8 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv) | ms | vs bf16 | packed of "
-             "copy | error |",
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv) | ms | vs bf16 "
+             "| packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
         rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))

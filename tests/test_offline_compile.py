@@ -169,9 +169,9 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
             target = offline_target(arch)
             for tile in tiles:
                 with capture(target) as recorder:
+                    ids = torch.arange(4 * top_k).view(4, top_k) % experts
                     moe_experts_mxfp4(torch.empty(4, latent, dtype=torch.bfloat16), *w13, *w2,
-                                      torch.full((4, top_k), 1 / top_k), torch.arange(4 * top_k).view(4, top_k) % experts,
-                                      "situ", 4.0, 25.0, tile=tile)
+                                      torch.full((4, top_k), 1 / top_k), ids, "situ", 4.0, 25.0, tile=tile)
                 for _, launch in recorder.launches:
                     if "gemv" in launch.kernel:
                         c = compile_launch(launch, target)
