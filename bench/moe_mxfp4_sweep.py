@@ -47,22 +47,25 @@ def _tiles() -> dict[str, list]:
     tiles within ~10% of that run's best (swap-AB with bf16 pair math, split x or neither; the x W^T kernel only as
     the prefill baseline; one `tl.dot_scaled` tile per phase so that its numerics stay checked on sm_90, where it
     is never the default), the losers (0.2-0.75x of the best) dropped, and the gemv tiles
-    (`kernels.triton.moe_mxfp4_gemv`): one row per block for decode, 2-16 for decode_batch. Every tile compiles
-    for sm_90 without spilling (bench.kernel_resources / backends.offline), except (128, 64, 128, 8, 3, split)
-    whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose); (64, 128, 64, 4, 3, split) spilled
-    616 bytes and is left out."""
+    (`kernels.triton.moe_mxfp4_gemv`): one row per block for decode, 2-16 for decode_batch, some with the next K
+    step's words prefetched. Every tile compiles for sm_90 without spilling (backends.offline), except
+    (128, 64, 128, 8, 3, split) whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose); left
+    out for spilling: (64, 128, 64, 4, 3, split) 616 bytes, and with prefetch (1, 64, 256, 4, 3) and
+    (1, 32, 256, 2, 3)."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
-    half, gemv = dict(swap=True, half_math=True), dict(gemv=True)
+    half, gemv, ahead = dict(swap=True, half_math=True), dict(gemv=True), dict(gemv=True, prefetch=True)
     dots = [tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half), tile(16, 64, 128, 4, 3, **split),
             tile(16, 64, 128, 4, 3, **swap)]
     decode = dots + [tile(16, 128, 128, 4, 3, **scaled),
                      tile(1, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 4, **gemv), tile(1, 64, 128, 4, 2, **gemv),
                      tile(1, 64, 256, 4, 3, **gemv), tile(1, 128, 128, 8, 3, **gemv), tile(1, 32, 256, 2, 3, **gemv),
-                     tile(2, 64, 128, 4, 3, **gemv)]
+                     tile(2, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 3, **ahead), tile(1, 128, 128, 8, 3, **ahead)]
     decode_batch = dots + [tile(2, 64, 128, 4, 3, **gemv), tile(4, 32, 128, 4, 3, **gemv),
                            tile(4, 64, 64, 4, 3, **gemv), tile(8, 32, 64, 4, 2, **gemv),
-                           tile(8, 16, 128, 4, 2, **gemv), tile(16, 16, 64, 4, 2, **gemv)]
+                           tile(8, 16, 128, 4, 2, **gemv), tile(16, 16, 64, 4, 2, **gemv),
+                           tile(2, 64, 128, 4, 3, **ahead), tile(4, 32, 128, 4, 3, **ahead),
+                           tile(8, 32, 64, 4, 2, **ahead)]
     prefill = [tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 4, **split), tile(32, 64, 128, 4, 3, **split),
                tile(128, 64, 128, 8, 3, **split), tile(64, 64, 128, 4, 3, **swap), tile(64, 64, 128, 4, 3, **half),
                tile(64, 64, 128, 4, 3), tile(128, 64, 64, 8, 3, **scaled)]
@@ -211,7 +214,7 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv) | ms | vs bf16 "
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv, prefetch) | ms | vs bf16 "
              "| packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
@@ -229,7 +232,8 @@ def summary(results: list[Result], bf16: dict[str, float]) -> str:
         lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
         lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
                      f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
-                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}, gemv={t.gemv}),")
+                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}, gemv={t.gemv}, "
+                     f"prefetch={t.prefetch}),")
     return "\n".join(lines)
 
 

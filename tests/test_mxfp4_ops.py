@@ -22,11 +22,12 @@ from kernels.triton import moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E4
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
 # no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
-# spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole); one row per
-# block in the extremes test (the interpreter runs a program per row there, too slow for the larger case)
+# spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole, with the next
+# step's words prefetched); one row per block in the extremes test (the interpreter runs a program per row there,
+# too slow for the larger case)
 GEMV_TILE = moe_mxfp4.Mxfp4Tile(block_m=4, block_n=32, block_k=64, num_warps=1, num_stages=1, gemv=True)
-GEMV_K32_TILE = GEMV_TILE._replace(block_m=8, block_k=32)
-GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32)
+GEMV_K32_TILE = GEMV_TILE._replace(block_m=8, block_k=32, prefetch=True)   # the last step's prefetch masked off
+GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
 TILES = {"triton": None, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE, "triton-gemv": GEMV_TILE,
          "triton-gemv-k32": GEMV_K32_TILE}
 
@@ -139,6 +140,7 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
                         (SWAP_TILE._replace(half_math=True), "needs bf16"),
                         (GEMV_TILE._replace(swap=True), "gemv tile has no dot"),
+                        (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
                         (GEMV_TILE._replace(block_m=32), "power of two in"),
                         (GEMV_TILE._replace(block_k=96), "power of two in")):
         with pytest.raises(ValueError, match=match):

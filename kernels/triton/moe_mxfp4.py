@@ -60,6 +60,7 @@ class Mxfp4Tile(NamedTuple):
     half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
     gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
     #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
+    prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -254,6 +255,8 @@ def _scaled(tile: Mxfp4Tile) -> dict:
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
+    if tile.prefetch and not tile.gemv:
+        raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
         if tile.swap or tile.split_x or tile.scaled or tile.half_math:
             raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled and half_math "
@@ -305,7 +308,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
             TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            EVEN_K=hidden_dim % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            EVEN_K=hidden_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
         return hidden
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
     kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -335,7 +339,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
             hidden.stride(0), words.stride(0), words.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-            EVEN_K=inter_dim % tile.block_k == 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+            EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
         return rows_out
     kernel = _down_swap_kernel if tile.swap else _down_kernel
     kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](

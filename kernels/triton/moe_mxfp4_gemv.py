@@ -112,9 +112,10 @@ def _gate_up_gemv_kernel(x_ptr, w_words, w_scale, hidden_ptr, sorted_pairs_ptr, 
                          hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
                          TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
     """One (row block, column block of I): gate and up [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
-    stored in x's dtype at the sorted rows."""
+    stored in x's dtype at the sorted rows. PREFETCH: the next K step's words are loaded before this step's math
+    (twice the weight bytes in flight per thread; the last step's prefetch is masked off)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -128,16 +129,36 @@ def _gate_up_gemv_kernel(x_ptr, w_words, w_scale, hidden_ptr, sorted_pairs_ptr, 
     col_mask = cols < inter_dim
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M, WORDS), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M, WORDS), tl.float32)
-    for k_start in range(0, hidden_dim, BLOCK_K):
+    if PREFETCH:
         gate_words, gate_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
-                                               scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
+                                               scale_expert_stride, scale_row_stride, cols, col_mask, 0,
                                                hidden_dim, WORDS, EVEN_K)
         up_words, up_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
-                                           scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask,
-                                           k_start, hidden_dim, WORDS, EVEN_K)
-        acc_gate = _rows_dot(acc_gate, gate_words, gate_scale, x_rows, row_mask, k_start, hidden_dim, WORDS,
-                             EVEN_K)
-        acc_up = _rows_dot(acc_up, up_words, up_scale, x_rows, row_mask, k_start, hidden_dim, WORDS, EVEN_K)
+                                           scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, 0,
+                                           hidden_dim, WORDS, EVEN_K)
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            live = col_mask & (k_start + BLOCK_K < hidden_dim)          # constant along K: still whole vectors
+            next_gate, next_gate_scale = _weight_words(w_words, w_scale, expert, words_expert_stride,
+                                                       words_row_stride, scale_expert_stride, scale_row_stride, cols,
+                                                       live, k_start + BLOCK_K, hidden_dim, WORDS, EVEN_K)
+            next_up, next_up_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
+                                                   scale_expert_stride, scale_row_stride, cols + inter_dim, live,
+                                                   k_start + BLOCK_K, hidden_dim, WORDS, EVEN_K)
+            acc_gate = _rows_dot(acc_gate, gate_words, gate_scale, x_rows, row_mask, k_start, hidden_dim, WORDS,
+                                 EVEN_K)
+            acc_up = _rows_dot(acc_up, up_words, up_scale, x_rows, row_mask, k_start, hidden_dim, WORDS, EVEN_K)
+            gate_words, gate_scale, up_words, up_scale = next_gate, next_gate_scale, next_up, next_up_scale
+    else:
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            gate_words, gate_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
+                                                   scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
+                                                   hidden_dim, WORDS, EVEN_K)
+            up_words, up_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
+                                               scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask,
+                                               k_start, hidden_dim, WORDS, EVEN_K)
+            acc_gate = _rows_dot(acc_gate, gate_words, gate_scale, x_rows, row_mask, k_start, hidden_dim, WORDS,
+                                 EVEN_K)
+            acc_up = _rows_dot(acc_up, up_words, up_scale, x_rows, row_mask, k_start, hidden_dim, WORDS, EVEN_K)
     hidden = glu_f32(tl.sum(acc_gate, axis=2), tl.sum(acc_up, axis=2), IS_SITU, HAS_LINEAR_CLIP, beta,
                      linear_beta)                                                          # [BLOCK_N, BLOCK_M]
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
@@ -149,9 +170,9 @@ def _down_gemv_kernel(hidden_ptr, w_words, w_scale, rows_out_ptr, sorted_pairs_p
                       hidden_row_stride, words_expert_stride, words_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
-    sorted rows."""
+    sorted rows. PREFETCH as in the gate/up kernel."""
     WORDS: tl.constexpr = BLOCK_K // 8
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -163,10 +184,22 @@ def _down_gemv_kernel(hidden_ptr, w_words, w_scale, rows_out_ptr, sorted_pairs_p
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
     col_mask = cols < hidden_dim
     acc = tl.zeros((BLOCK_N, BLOCK_M, WORDS), tl.float32)
-    for k_start in range(0, inter_dim, BLOCK_K):
+    if PREFETCH:
         words, scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
-                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                     WORDS, EVEN_K)
-        acc = _rows_dot(acc, words, scale, h_rows, row_mask, k_start, inter_dim, WORDS, EVEN_K)
+                                     scale_expert_stride, scale_row_stride, cols, col_mask, 0, inter_dim, WORDS,
+                                     EVEN_K)
+        for k_start in range(0, inter_dim, BLOCK_K):
+            live = col_mask & (k_start + BLOCK_K < inter_dim)
+            next_words, next_scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
+                                                   scale_expert_stride, scale_row_stride, cols, live,
+                                                   k_start + BLOCK_K, inter_dim, WORDS, EVEN_K)
+            acc = _rows_dot(acc, words, scale, h_rows, row_mask, k_start, inter_dim, WORDS, EVEN_K)
+            words, scale = next_words, next_scale
+    else:
+        for k_start in range(0, inter_dim, BLOCK_K):
+            words, scale = _weight_words(w_words, w_scale, expert, words_expert_stride, words_row_stride,
+                                         scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                         WORDS, EVEN_K)
+            acc = _rows_dot(acc, words, scale, h_rows, row_mask, k_start, inter_dim, WORDS, EVEN_K)
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], tl.sum(acc, axis=2),
              mask=col_mask[:, None] & row_mask[None, :])
