@@ -154,8 +154,9 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
 
 
 def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():
-    """The gemv decode tiles (no tl.dot; bench.moe_mxfp4_sweep's one-row and four-row candidates) compile for sm_90,
-    gfx942 and gfx950 at K3's per-GPU shapes with no local-memory stack (NVIDIA) and no VGPR spills (AMD)."""
+    """The gemv decode tiles (no tl.dot; bench.moe_mxfp4_sweep's one-row and four-row candidates, and one with the
+    next step's words prefetched) compile for sm_90, gfx942 and gfx950 at K3's per-GPU shapes with no local-memory
+    stack (NVIDIA) and no VGPR spills (AMD)."""
     result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
@@ -164,7 +165,8 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
         u8 = dict(dtype=torch.uint8)
         w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
         w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
-        tiles = (Mxfp4Tile(1, 64, 128, 4, 3, gemv=True), Mxfp4Tile(4, 32, 128, 4, 3, gemv=True))
+        tiles = (Mxfp4Tile(1, 64, 128, 4, 3, gemv=True), Mxfp4Tile(4, 32, 128, 4, 3, gemv=True),
+                 Mxfp4Tile(1, 64, 128, 4, 3, gemv=True, prefetch=True))
         for arch in ("sm_90", "gfx942", "gfx950"):
             target = offline_target(arch)
             for tile in tiles:
@@ -180,7 +182,7 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
     """)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 12, result.stdout
+    assert len(lines) == 18, result.stdout
     for line in lines:
         arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line
