@@ -43,29 +43,40 @@ ACT = ("situ", 4.0, 25.0)
 
 
 def _tiles() -> dict[str, list]:
-    """The candidates of each row class: the x W^T kernel as the table had it, and the swap-AB kernel over block
-    shapes that compile for sm_90 without spilling (bench.kernel_resources; swap prefill tiles of 128 x 128
-    spilled hundreds of bytes and are left out; the x W^T prefill tiles are the table's, spills and all), with in-register decode (float32 or float16 / bf16 pair math), split x loads or `tl.dot_scaled`."""
+    """The candidates of each row class, after the H200 sweep at ab06aa5 (/tmp/briefs/mxfp4_sweep.log): the dot
+    tiles within ~10% of that run's best (swap-AB with bf16 pair math, split x or neither; the x W^T kernel only as
+    the prefill baseline; one `tl.dot_scaled` tile per phase so that its numerics stay checked on sm_90, where it
+    is never the default), the losers (0.2-0.75x of the best) dropped, and the gemv tiles
+    (`kernels.triton.moe_mxfp4_gemv`): one row per block for decode, 2-16 for decode_batch, some with the next K
+    step's words prefetched. Every tile compiles for sm_90 without spilling (backends.offline), except
+    (128, 64, 128, 8, 3, split) whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose); left
+    out for spilling: (64, 128, 64, 4, 3, split) 616 bytes, and with prefetch (1, 64, 256, 4, 3) and
+    (1, 32, 256, 2, 3)."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
-    half = dict(swap=True, half_math=True)
-    decode = [tile(16, 64, 128, 4, 3), tile(16, 128, 128, 4, 3),
-              tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 4, **swap), tile(16, 64, 64, 4, 4, **swap),
-              tile(16, 32, 128, 4, 3, **swap), tile(16, 128, 128, 8, 3, **swap), tile(16, 64, 128, 4, 3, **split),
-              tile(16, 64, 128, 4, 4, **split), tile(16, 64, 128, 4, 3, **scaled), tile(16, 64, 128, 4, 4, **scaled),
-              tile(16, 128, 128, 4, 3, **scaled), tile(16, 64, 256, 4, 3, **scaled), tile(32, 64, 128, 4, 3, **swap),
-              tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half)]
-    prefill = [tile(64, 64, 128, 4, 3), tile(64, 64, 64, 4, 3), tile(128, 128, 128, 8, 3),
-               tile(64, 64, 128, 4, 3, **swap), tile(128, 64, 64, 8, 3, **swap), tile(128, 64, 64, 8, 3, **split),
-               tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 3, **scaled), tile(128, 64, 64, 8, 3, **scaled),
-               tile(128, 64, 128, 8, 3, **scaled), tile(128, 64, 64, 8, 3, **half), tile(64, 64, 128, 4, 3, **half)]
-    return {"decode": decode, "mid": prefill, "prefill": prefill}
+    half, gemv, ahead = dict(swap=True, half_math=True), dict(gemv=True), dict(gemv=True, prefetch=True)
+    dots = [tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half), tile(16, 64, 128, 4, 3, **split),
+            tile(16, 64, 128, 4, 3, **swap)]
+    decode = dots + [tile(16, 128, 128, 4, 3, **scaled),
+                     tile(1, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 4, **gemv), tile(1, 64, 128, 4, 2, **gemv),
+                     tile(1, 64, 256, 4, 3, **gemv), tile(1, 128, 128, 8, 3, **gemv), tile(1, 32, 256, 2, 3, **gemv),
+                     tile(2, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 3, **ahead), tile(1, 128, 128, 8, 3, **ahead)]
+    decode_batch = dots + [tile(2, 64, 128, 4, 3, **gemv), tile(4, 32, 128, 4, 3, **gemv),
+                           tile(4, 64, 64, 4, 3, **gemv), tile(8, 32, 64, 4, 2, **gemv),
+                           tile(8, 16, 128, 4, 2, **gemv), tile(16, 16, 64, 4, 2, **gemv),
+                           tile(2, 64, 128, 4, 3, **ahead), tile(4, 32, 128, 4, 3, **ahead),
+                           tile(8, 32, 64, 4, 2, **ahead)]
+    prefill = [tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 4, **split), tile(32, 64, 128, 4, 3, **split),
+               tile(128, 64, 128, 8, 3, **split), tile(64, 64, 128, 4, 3, **swap), tile(64, 64, 128, 4, 3, **half),
+               tile(64, 64, 128, 4, 3), tile(128, 64, 64, 8, 3, **scaled)]
+    return {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
 
 
 def _smoke_tiles() -> dict[str, list]:
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    tiles = [tile(16, 32, 64, 1, 1), tile(16, 32, 64, 1, 1, swap=True), tile(16, 32, 64, 1, 1, True, True)]
-    return {"decode": tiles, "mid": tiles, "prefill": tiles}
+    tiles = [tile(16, 32, 64, 1, 1), tile(16, 32, 64, 1, 1, swap=True), tile(16, 32, 64, 1, 1, True, True),
+             tile(1, 32, 64, 1, 1, gemv=True)]
+    return {"decode": tiles, "decode_batch": tiles, "mid": tiles, "prefill": tiles}
 
 
 @dataclass
@@ -112,6 +123,11 @@ class ExtremesCheck:
         return self.done[tuple(tile)]
 
 
+def _is_decode(row_class: str) -> bool:
+    """decode and decode_batch: timed inside a CUDA graph, and the sweep's "decode" phase."""
+    return row_class.startswith("decode")
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(got).all():
         return math.inf
@@ -129,7 +145,7 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
     weights = torch.rand(tokens, top_k, generator=ctx.generator).to(ctx.device)
     (w13, w13_scale), (w2, w2_scale) = packed["w13"], packed["w2"]
     want = reference(x.double(), w13, w13_scale, w2, w2_scale, weights.double(), expert_ids, *ACT)
-    decode = row_class == "decode"
+    decode = _is_decode(row_class)
     tolerance = SMOKE_TOL if ctx.smoke else GPU_TOL
 
     def timed(fn):
@@ -198,7 +214,8 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math) | ms | vs bf16 | packed of copy | error |",
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv, prefetch) | ms | vs bf16 "
+             "| packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
         rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))
@@ -215,7 +232,8 @@ def summary(results: list[Result], bf16: dict[str, float]) -> str:
         lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
         lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
                      f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
-                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}),")
+                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}, gemv={t.gemv}, "
+                     f"prefetch={t.prefetch}),")
     return "\n".join(lines)
 
 
@@ -235,7 +253,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     tiles = _smoke_tiles() if args.smoke else _tiles()
     phases = set(args.phases.split(","))
     tokens = [t for t in (SMOKE_TOKENS if args.smoke else DECODE_TOKENS + PREFILL_TOKENS)
-              if ("decode" if row_class(t * shape["top_k"], shape["experts"]) == "decode" else "prefill") in phases]
+              if ("decode" if _is_decode(row_class(t * shape["top_k"], shape["experts"])) else "prefill") in phases]
     ceilings = measure_ceilings(timer, ctx.dtype, args.smoke)
     packed = expert_weights(ctx, shape)
     extremes = ExtremesCheck(ctx)

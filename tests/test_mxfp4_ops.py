@@ -16,12 +16,20 @@ from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.triton import moe_mxfp4, moe_mxfp4_swap  # noqa: E402
+from kernels.triton import moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E402
 
 # the interpreter's tiles of both kernels: x W^T (the default) and the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
-TILES = {"triton": None, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE}
+# no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
+# spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole, with the next
+# step's words prefetched); one row per block in the extremes test (the interpreter runs a program per row there,
+# too slow for the larger case)
+GEMV_TILE = moe_mxfp4.Mxfp4Tile(block_m=4, block_n=32, block_k=64, num_warps=1, num_stages=1, gemv=True)
+GEMV_K32_TILE = GEMV_TILE._replace(block_m=8, block_k=32, prefetch=True)   # the last step's prefetch masked off
+GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
+TILES = {"triton": None, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE, "triton-gemv": GEMV_TILE,
+         "triton-gemv-k32": GEMV_K32_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
 # a sum scales with its terms, not with a result that cancels, so the bound also takes 1e-5 of the largest output
@@ -57,8 +65,12 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
     return ids
 
 
-@pytest.mark.parametrize("activation", ["silu", "situ"])
-@pytest.mark.parametrize("provider", ["reference", *TILES])
+# every dot provider under both activations; the gemv tiles (slow in the interpreter) under one each
+CASES = [(p, a) for p in ("reference", "triton", "triton-swap", "triton-swap-split") for a in ("silu", "situ")] + [
+    ("triton-gemv", "silu"), ("triton-gemv-k32", "situ")]
+
+
+@pytest.mark.parametrize(("provider", "activation"), CASES)
 def test_uneven_experts_and_k_not_a_multiple_of_the_block(provider, activation):
     # D = 96 and I = 96 are multiples of the 32-column scale group but not of the kernel's 64-column K step
     gen = torch.Generator().manual_seed(11)
@@ -107,7 +119,7 @@ def test_scale_extremes_and_byte_255():
     want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
     for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
         _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
-    for tile in (SWAP_TILE, SPLIT_TILE):
+    for tile in (SWAP_TILE, SPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
         _assert_close(moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids,
                                                   "silu", 4.0, 25.0, tile=tile), want)
     # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
@@ -126,10 +138,29 @@ def test_tile_options_that_cannot_apply_are_refused():
     x, ids, weights = torch.randn(3, 64, generator=gen), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     for tile, match in ((SWAP_TILE._replace(swap=False, split_x=True), "swap=True"),
                         (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
-                        (SWAP_TILE._replace(half_math=True), "needs bf16")):
+                        (SWAP_TILE._replace(half_math=True), "needs bf16"),
+                        (GEMV_TILE._replace(swap=True), "gemv tile has no dot"),
+                        (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
+                        (GEMV_TILE._replace(block_m=32), "power of two in"),
+                        (GEMV_TILE._replace(block_k=96), "power of two in")):
         with pytest.raises(ValueError, match=match):
             moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
                                         25.0, tile=tile)
+
+
+def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():
+    """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
+    without half_math (which decodes to bf16 and would be refused for fp16 x)."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    cpu = torch.device("cpu")
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        for pairs, row_class in ((16, "decode"), (64, "decode"), (16 * 16, "decode_batch"), (16 * 64, "decode_batch"),
+                                 (8192, "mid"), (16384, "prefill")):
+            want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
+            assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
+            fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
+            assert fp16 == want._replace(half_math=False) and not fp16.half_math
+    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].half_math      # the case the fp16 rule exists for
 
 
 def test_empty_batch_and_shape_errors():
@@ -216,3 +247,53 @@ def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte
                                                    BLOCK_N=16, EVEN_K=even_k)
     want = dequantize_mxfp4(packed, scale)
     assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+
+
+@triton.jit
+def _decode_words_kernel(words_ptr, scale_ptr, out_ptr, num_rows, num_k, WORDS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)
+    expert = tl.program_id(0) * 0
+    k_start = tl.program_id(0) * 8 * WORDS
+    words, scale = moe_mxfp4_gemv._weight_words(words_ptr, scale_ptr, expert, 0, num_k // 8, 0, num_k // 32, rows,
+                                                rows < num_rows, k_start, num_k, WORDS, EVEN_K)
+    cols = k_start + 8 * tl.arange(0, WORDS)                                              # word j's first column
+    offsets = rows[:, None] * num_k + cols[None, :]                                       # [BLOCK_N, WORDS]
+    mask = (rows < num_rows)[:, None] & (cols < num_k)[None, :]
+    for c in tl.static_range(4):                                                          # nibbles c and c + 4
+        low, high = moe_mxfp4_gemv._pair_codes(words, 4 * c)
+        tl.store(out_ptr + offsets + c, low * scale, mask=mask)
+        tl.store(out_ptr + offsets + c + 4, high * scale, mask=mask)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
+@pytest.mark.parametrize("even_k", [False, True])
+def test_word_decode_of_the_gemv_kernel_matches_dequantize_for_every_byte_and_scale(even_k):
+    """The gemv kernel's int32-word decode (nibbles c and c + 4 of a word, columns 8j + c and 8j + c + 4, in one
+    operation) and its per-word scale, applied as the kernel applies it (a product after the codes), are bit-exact
+    against
+    `dequantize_mxfp4` for all 256 bytes under every scale class, 0 (2^-127) and 255 (read as 254) included."""
+    scales = [0, 1, 2, 100, 113, 126, 127, 128, 200, 240, 241, 253, 254, 255]
+    num_k = 512
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
+    scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
+    scale[:, 1::2] = 127
+    out = torch.full((len(scales), num_k), float("nan"))
+    _decode_words_kernel[(triton.cdiv(num_k, 64),)](packed.view(torch.int32), scale, out, len(scales), num_k,
+                                                    WORDS=8, BLOCK_N=16, EVEN_K=even_k)
+    assert torch.equal(out, dequantize_mxfp4(packed, scale))
+
+
+def test_gemv_tiles_refuse_packed_rows_off_word_boundaries():
+    gen = torch.Generator().manual_seed(16)
+    w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
+    w2_packed, w2_scale = _random_experts(gen, 2, 64, 32)
+    shifted = torch.empty(2 * 64 * 32 + 1, dtype=torch.uint8)[1:].view(2, 64, 32)
+    shifted.copy_(w13_packed)
+    x, ids, weights = torch.randn(3, 64, generator=gen), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match="4-byte boundaries"):
+        moe_mxfp4.moe_experts_mxfp4(x, shifted, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0,
+                                    tile=GEMV_TILE)
+    got = moe_mxfp4.moe_experts_mxfp4(x, shifted.clone(), w13_scale, w2_packed, w2_scale, weights, ids, "silu",
+                                      4.0, 25.0, tile=GEMV_TILE)
+    _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu"))

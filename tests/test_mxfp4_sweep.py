@@ -28,11 +28,12 @@ def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monke
     monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (2,))
     results = moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "moe-mxfp4-sweep-smoke.json").read_text())
-    assert [r["status"] for r in data["results"]] == ["ok", "check failed", "ok"] == [r.status for r in results]
+    assert [r["status"] for r in data["results"]] == ["ok", "check failed", "ok", "ok"] == [r.status for r in results]
     refused = data["results"][1]
     assert refused["tile"][5:7] == [True, False] and refused["ms"] is None and refused["speedup"] is None
     assert all(r["ms"] > 0 and r["error"] <= moe_mxfp4_sweep.SMOKE_TOL for r in data["results"] if r["status"] == "ok")
     winner = data["winners"]["decode"][0]
     assert winner in [r["tile"] for r in data["results"] if r["status"] == "ok"]
     printed = capsys.readouterr().out
-    assert "CHECK FAILED" in printed and 'paste: "decode": Mxfp4Tile(block_m=16' in printed
+    assert "CHECK FAILED" in printed and 'paste: "decode": Mxfp4Tile(block_m=' in printed
+    assert data["results"][3]["tile"][9] is True                       # the gemv tile was checked and timed

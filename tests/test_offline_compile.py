@@ -125,7 +125,8 @@ def test_state_config_and_precision_follow_the_architecture():
 
 def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     """On sm_100 and gfx950 the provider's bf16 MXFP4 expert GEMMs go through tl.dot_scaled (the swap kernels with
-    SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode."""
+    SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode
+    (its swap-AB decode tile from MXFP4_TILES_NVIDIA)."""
     result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
@@ -149,4 +150,39 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     lines = sorted(result.stdout.splitlines()[:6])
     assert lines == sorted(["sm_100 _gate_up_swap_kernel True ok", "sm_100 _down_swap_kernel True ok",
                             "gfx950 _gate_up_swap_kernel True ok", "gfx950 _down_swap_kernel True ok",
-                            "sm_90 _gate_up_kernel False ok", "sm_90 _down_kernel False ok"]), result.stdout
+                            "sm_90 _gate_up_swap_kernel False ok", "sm_90 _down_swap_kernel False ok"]), result.stdout
+
+
+def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():
+    """The gemv decode tiles (no tl.dot; bench.moe_mxfp4_sweep's one-row and four-row candidates, and one with the
+    next step's words prefetched) compile for sm_90, gfx942 and gfx950 at K3's per-GPU shapes with no local-memory
+    stack (NVIDIA) and no VGPR spills (AMD)."""
+    result = _python("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
+        experts, latent, width, top_k = 112, 3584, 3072, 16
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
+        w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
+        tiles = (Mxfp4Tile(1, 64, 128, 4, 3, gemv=True), Mxfp4Tile(4, 32, 128, 4, 3, gemv=True),
+                 Mxfp4Tile(1, 64, 128, 4, 3, gemv=True, prefetch=True))
+        for arch in ("sm_90", "gfx942", "gfx950"):
+            target = offline_target(arch)
+            for tile in tiles:
+                with capture(target) as recorder:
+                    ids = torch.arange(4 * top_k).view(4, top_k) % experts
+                    moe_experts_mxfp4(torch.empty(4, latent, dtype=torch.bfloat16), *w13, *w2,
+                                      torch.full((4, top_k), 1 / top_k), ids, "situ", 4.0, 25.0, tile=tile)
+                for _, launch in recorder.launches:
+                    if "gemv" in launch.kernel:
+                        c = compile_launch(launch, target)
+                        r = c.resources
+                        print(arch, tile.block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.spills or 0)
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 18, result.stdout
+    for line in lines:
+        arch, block_m, kernel, status, stack, spills = line.split()
+        assert status == "ok" and stack == "0" and spills == "0", line

@@ -22,8 +22,10 @@ and the conformance tolerance covers that rounding for hidden values of O(1).
 Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): this x W^T kernel; the swap-AB kernels of
 `kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from registers:
 `swap`), optionally with x loaded contiguously and split (`split_x`) or with `tl.dot_scaled` on the packed bytes
-(`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950). `bench.moe_mxfp4_sweep` checks and times them
-on the GPU and prints the winners for `MXFP4_TILES_NVIDIA`.
+(`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950); and the dot-free decode kernels of
+`kernels.triton.moe_mxfp4_gemv` (`gemv`: float32 multiply-adds over 1-16 rows per block, int32 word loads, one
+scale multiply per 8 weights). `bench.moe_mxfp4_sweep` checks and times them on the GPU and prints the winners for
+`MXFP4_TILES_NVIDIA`.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
+from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
 from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.tuning_ops import current_arch, target
 
@@ -55,17 +58,31 @@ class Mxfp4Tile(NamedTuple):
     split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
     scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
     half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
+    gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
+    #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
+    prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
-MXFP4_ROW_CLASSES = ((16, "decode"), (96, "mid"), (None, "prefill"))
-# NVIDIA (sm_90) tiles: the hook `python -m bench.moe_mxfp4_sweep` fills. It prints a `paste:` line per class with
-# the fastest tile whose check passed; replace the entry with it (the values below are the ones used before any
-# sweep: the untuned x W^T kernel, 0.37-0.42x the bf16 experts at decode, bench/results/moe-mxfp4-nvidia-h200.md).
+# decode: up to one row per expert (K3 at 1-7 tokens), where a gemv tile reads each weight once per row;
+# decode_batch: 1-16 rows per expert (8-112 tokens), where the dot kernels' 16-row blocks are mostly full.
+MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (96, "mid"), (None, "prefill"))
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at ab06aa5
+# (/tmp/briefs/mxfp4_sweep.log of that run; geometric mean over the class's cases, every tile checked against the
+# float64 reference and the extreme scales first). decode (then one class over 1-64 tokens, split since into decode
+# and decode_batch, both given its winner until the next sweep): swap-AB with bf16 pair math, 0.94-1.00x the bf16
+# experts at 1-16 tokens, 0.72x at 64; mid / prefill: swap-AB with split x loads, 0.46x at 512 and 0.38x at 1024 tokens.
+# A rerun prints a `paste:` line per class; replace the entry with it. half_math needs bf16: fp16 calls drop it
+# (`mxfp4_tile`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
-    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
-    "prefill": Mxfp4Tile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+                        scaled=False, half_math=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                              split_x=False, scaled=False, half_math=True),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                     scaled=False, half_math=False),
+    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False),
 }
 
 
@@ -77,6 +94,8 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 DOT_SCALED_ARCHES = ("sm_100", "gfx950")
 MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                              scaled=True),
     "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
     "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
 }
@@ -87,9 +106,10 @@ def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
     return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
 
 
-def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2) -> Mxfp4Tile:
+def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
+               dtype: torch.dtype | None = None) -> Mxfp4Tile:
     """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
-    `MXFP4_TILES_NVIDIA`, by mean rows per expert; elsewhere rows
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`); elsewhere rows
     per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
     blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
     stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
@@ -100,7 +120,8 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
     if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
-        return MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
         block_m = min(block_m, 64)
@@ -234,12 +255,32 @@ def _scaled(tile: Mxfp4Tile) -> dict:
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
+    if tile.prefetch and not tile.gemv:
+        raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
+    if tile.gemv:
+        if tile.swap or tile.split_x or tile.scaled or tile.half_math:
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled and half_math "
+                             f"do not apply; set them False, got {tile}")
+        if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
+                tile.block_k & (tile.block_k - 1)):
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
+                             f"a power of two >= {SCALE_BLOCK}, got {tile}")
+        return
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
     if (tile.split_x or tile.scaled or tile.half_math) and not tile.swap:
         raise ValueError(f"moe_experts_mxfp4: split_x, scaled and half_math are options of the swap kernel; set "
                          f"swap=True, got {tile}")
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed codes [E, N, K/2] as int32 words [E, N, K/8] (the gemv kernels' loads), without a copy."""
+    if packed.storage_offset() % 4 or any(stride % 4 for stride in packed.stride()[:-1]):
+        raise ValueError(f"moe_experts_mxfp4: a gemv tile reads the packed codes as int32 words; pass packed "
+                         f"weights whose rows start at 4-byte boundaries (e.g. .contiguous()), got strides "
+                         f"{packed.stride()} at offset {packed.storage_offset()}")
+    return packed.view(torch.int32)
 
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
@@ -257,6 +298,19 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
     hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
+    if tile.gemv:
+        words = _words(w13_packed)
+        _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+            x, words, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
+            x.stride(0), words.stride(0), words.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            float(situ_beta if situ_beta is not None else 1.0),
+            float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+            TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_K=hidden_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+        return hidden
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
     kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
         x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
@@ -278,6 +332,16 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
     rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
+    if tile.gemv:
+        words = _words(w2_packed)
+        _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+            hidden, words, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
+            hidden.stride(0), words.stride(0), words.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+        return rows_out
     kernel = _down_swap_kernel if tile.swap else _down_kernel
     kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
@@ -308,7 +372,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size())
+        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype)
         blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
                          situ_linear_beta, chunk_tile)
