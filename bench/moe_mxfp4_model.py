@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               "copy_bytes_per_s": bandwidth, "formats": {}}
     tokens = {}
     for fmt in ("bf16", "mxfp4"):
-        options = dict(memory_fraction=0.2) if device.type == "cuda" else dict(memory_bytes=128 << 20)
+        options = dict(memory_fraction=0.05) if device.type == "cuda" else dict(memory_bytes=128 << 20)
         llm = LLM(args.model, backend=backend, device=str(device), dtype=dtype, seed=0, expert_format=fmt,
                   **options)
         from k3core.sampling_params import SamplingParams
@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             row["floor_ms_bs1_weights"] = floor_ms
             row["floor_share_bs1"] = floor_ms / ceiling["decode_step_ms_bs1"]
         result["formats"][fmt] = row
+        llm.engine.close()                  # its pool and graphs go before the next format's model is built
         del llm
+        import gc
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     bf16, mx = result["formats"]["bf16"], result["formats"]["mxfp4"]

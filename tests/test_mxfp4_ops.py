@@ -160,7 +160,7 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
             assert fp16 == want._replace(half_math=False) and not fp16.half_math
-    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].half_math      # the case the fp16 rule exists for
+    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode_batch"].half_math      # the case the fp16 rule exists for
 
 
 def test_empty_batch_and_shape_errors():

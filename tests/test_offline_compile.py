@@ -126,7 +126,7 @@ def test_state_config_and_precision_follow_the_architecture():
 def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     """On sm_100 and gfx950 the provider's bf16 MXFP4 expert GEMMs go through tl.dot_scaled (the swap kernels with
     SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode
-    (its swap-AB decode tile from MXFP4_TILES_NVIDIA)."""
+    (MXFP4_TILES_NVIDIA's one-token decode tile: the gemv kernels since the H200 sweep at 43ce9be)."""
     result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
@@ -150,7 +150,7 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     lines = sorted(result.stdout.splitlines()[:6])
     assert lines == sorted(["sm_100 _gate_up_swap_kernel True ok", "sm_100 _down_swap_kernel True ok",
                             "gfx950 _gate_up_swap_kernel True ok", "gfx950 _down_swap_kernel True ok",
-                            "sm_90 _gate_up_swap_kernel False ok", "sm_90 _down_swap_kernel False ok"]), result.stdout
+                            "sm_90 _gate_up_gemv_kernel False ok", "sm_90 _down_gemv_kernel False ok"]), result.stdout
 
 
 def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():

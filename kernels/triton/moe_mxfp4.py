@@ -75,13 +75,15 @@ MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (96, "mid"), (None, "p
 # A rerun prints a `paste:` line per class; replace the entry with it. half_math needs bf16: fp16 calls drop it
 # (`mxfp4_tile`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
-                        scaled=False, half_math=True),
+    # H200 sweep at 43ce9be (bench/results/moe-mxfp4-sweep-nvidia-h200.json): gemv with prefetch 1.20x the bf16
+    # experts at 1 token, 0.97x at 4; swap-AB with bf16 pair math for 16-64; swap-AB split-x for prefill
+    "decode": Mxfp4Tile(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=False, split_x=False,
+                        scaled=False, half_math=False, gemv=True, prefetch=True),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=True),
     "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
                      scaled=False, half_math=False),
-    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, split_x=True,
                          scaled=False, half_math=False),
 }
 
