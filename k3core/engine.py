@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3core.engine_invariants import check_engine_invariants
+from k3core.engine_options import (  # noqa: F401 (re-exported: k3core.engine is where callers import them)
+    CPU_PREFILL_BUDGET,
+    GPU_PREFILL_BUDGET,
+    EngineOptions,
+    default_checkpoint_interval,
+    default_prefill_budget,
+)
 from k3core.isolation import Quarantine, roll_back
 from k3core.mixed_step import run_split, split_mixed
 from k3core.model.batch import FutureTokens, SeqWork
@@ -34,68 +42,10 @@ from k3core.prompt_logprobs import DevicePromptLogprobs, PromptLogprobs, PromptR
     score_prompt_rows
 from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
 from k3core.sampling_params import SamplingParams
-from k3core.sched.request import UNRESOLVED_TOKEN, Request, Status
+from k3core.sched.request import UNRESOLVED_TOKEN, Request
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
 from k3core.stop import OutputText
 from k3core.transfer import index_tables
-
-
-@dataclass
-class EngineOptions:
-    prefix_cache: bool = True
-    chunked_prefill_tokens: int | None = None    # tokens per step; None: `default_prefill_budget(device)`
-    max_running_requests: int = 64
-    page_size: int = 16
-    checkpoint_interval: int | None = None   # tokens between cache checkpoints; None: `default_checkpoint_interval`
-    overlap: bool = True                     # run the host work of step N+1 while the GPU runs step N (one device)
-    memory_bytes: int | None = None          # pool arena size; None: memory_fraction of free device memory
-    memory_fraction: float = 0.5             # (CPU: of 1 GiB)
-    cuda_graphs: bool = False                # replay decode steps from CUDA/HIP graphs captured at start
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)   # one graph per size; larger batches: eager
-    graph_max_context: int = 32768           # longest context a replayed step holds; longer: eager (every row's
-                                             # page table is this wide, and MLA decode splits that width)
-    split_mixed_steps: bool = True           # with graphs: a step of prefill chunks and decodes replays the decodes
-                                             # from their graph beside an eager forward of the chunks (mixed_step.py)
-
-    def __post_init__(self) -> None:
-        def need(cond: bool, message: str) -> None:
-            if not cond:
-                raise ValueError(message)
-        need(self.chunked_prefill_tokens is None or self.chunked_prefill_tokens >= 1,
-             "chunked_prefill_tokens must be >= 1")
-        need(self.max_running_requests >= 1, "max_running_requests must be >= 1")
-        need(self.page_size >= 1, "page_size must be >= 1")
-        need(self.checkpoint_interval is None or (
-            self.checkpoint_interval >= self.page_size and self.checkpoint_interval % self.page_size == 0),
-             f"checkpoint_interval ({self.checkpoint_interval}) must be a positive multiple of page_size "
-             f"({self.page_size})")
-        need(self.memory_bytes is None or self.memory_bytes > 0, "memory_bytes must be positive")
-        need(0 < self.memory_fraction <= 1, "memory_fraction must be in (0, 1]")
-        sizes = self.graph_batch_sizes
-        need(isinstance(sizes, (tuple, list)) and len(sizes) > 0
-             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes),
-             f"graph_batch_sizes must be a non-empty list of positive batch sizes, got {sizes!r}")
-        self.graph_batch_sizes = tuple(sorted(set(sizes)))
-        need(isinstance(self.graph_max_context, int) and self.graph_max_context >= 2,
-             f"graph_max_context must be at least 2 tokens, got {self.graph_max_context!r}")
-
-
-GPU_PREFILL_BUDGET = 2048      # k3-mini on an H200, 128 x 1K prompts: 4.5x the throughput of 512, within 5% of 8192
-CPU_PREFILL_BUDGET = 512       # a CPU step of 2048 tokens would stall every decode for seconds
-
-
-def default_prefill_budget(device: torch.device | str) -> int:
-    """Tokens one engine step may feed when chunked_prefill_tokens is not given. Every step reads all the weights,
-    so small chunks multiply that cost; large ones stall the decodes that share the step (ITL)."""
-    return CPU_PREFILL_BUDGET if torch.device(device).type == "cpu" else GPU_PREFILL_BUDGET
-
-
-def default_checkpoint_interval(slot_bytes: int, page_bytes: int, page_size: int) -> int:
-    """The cache's checkpoint interval when none is given: the fewest whole pages whose MLA bytes reach one KDA slot,
-    so that checkpoints never hold more memory than the tokens they cover (a K3 slot is about 54 MB, 64 tokens of
-    its MLA pages about 4 MB: every 64 tokens the checkpoints would take 13x the KV). A longer interval costs a
-    recomputation of at most interval - 1 tokens after a hit; a shorter one, memory that could hold other prefixes."""
-    return page_size * max(1, -(-slot_bytes // page_bytes))
 
 
 @dataclass
@@ -653,76 +603,6 @@ class Engine:
         self.closed = True
 
     def check_invariants(self) -> None:
-        """Pool and cache structure, plus the ownership rules between requests and the cache: every live slot and
-        page is owned exactly once (a running request or the tree), a request reads tree pages only below the node
-        it holds locked, and every lock in the tree belongs to a running request."""
-        self.pool.check_invariants()
-        cache = self.cache
-        if cache is not None:
-            cache.check_invariants()
-            self.prompt_logprob_store.check_invariants()
-        running = self.scheduler.running
-        owned = [p for r in running for p in r.owned_pages]
-        assert len(owned) == len(set(owned)), "a page is owned by two running requests"
-        slots = [r.working_slot for r in running if r.working_slot is not None]
-        assert len(slots) == len(set(slots)), "a working slot is held by two requests"
-        scratch_slots, scratch_pages = 0, 0
-        if self.graph_decode is not None:           # the scratch belongs to the graphs alone
-            scratch = self.graph_decode.scratch
-            assert scratch.slot not in slots and scratch.page not in owned, "a request holds the graphs' scratch"
-            assert not any(scratch.page in r.page_handles for r in running), "a request reads the graphs' scratch page"
-            assert cache is None or not (cache.owns_slot(scratch.slot) or cache.owns_page(scratch.page)), (
-                "the cache holds the graphs' scratch")
-            scratch_slots, scratch_pages = 1, 1
-        locks = 0
-        for request in running:
-            name = request.request_id
-            assert request.status == Status.RUNNING, f"request {name} is in the running list as {request.status}"
-            assert request.working_slot is not None, f"running request {name} has no working slot"
-            assert len(request.page_handles) * self.page_size >= request.num_computed_tokens, (
-                f"request {name} has fed more tokens than its pages hold")
-            assert len(set(request.page_handles)) == len(request.page_handles), f"request {name} lists a page twice"
-            assert request.owned_pages <= set(request.page_handles), f"request {name} owns pages it does not list"
-            assert 0 <= request.num_computed_tokens < request.num_tokens, (
-                f"request {name} computed {request.num_computed_tokens} of {request.num_tokens} tokens")
-            borrowed = [p for p in request.page_handles if p not in request.owned_pages]
-            if cache is None:
-                assert not borrowed and request.cache_node is None, f"request {name} borrows pages with no cache"
-                continue
-            assert not cache.owns_slot(request.working_slot), f"request {name} writes a cache checkpoint slot"
-            assert not any(cache.owns_page(p) for p in request.owned_pages), (
-                f"request {name} owns a page the cache owns too")
-            if request.cache_node is None:
-                assert not borrowed, f"request {name} reads cache pages without holding a lock"
-                continue
-            node = request.cache_node
-            assert node.lock_count > 0, f"request {name} holds an unlocked node {node!r}"
-            assert node.path_tokens() == request.all_token_ids[:node.end], (
-                f"request {name} holds a node for a prefix it does not have")
-            locks += 1
-            protected = set()
-            while node is not None:
-                protected.update(node.pages)
-                node = node.parent
-            assert set(borrowed) <= protected, (
-                f"request {name} reads cache pages outside the path it holds locked (they could be evicted)")
-        if cache is not None:
-            total_locks, stack = 0, [cache.root]
-            while stack:
-                node = stack.pop()
-                total_locks += node.lock_count
-                stack.extend(node.children.values())
-            assert total_locks == locks, f"{total_locks} cache locks held but running requests account for {locks}"
-        usage = self.pool.usage()
-        cached_slots = cache.num_cached_slots if cache is not None else 0
-        cached_pages = cache.num_cached_pages if cache is not None else 0
-        assert usage.num_slots == len(slots) + cached_slots + scratch_slots, (
-            f"{usage.num_slots} slots live but requests hold {len(slots)}, the cache {cached_slots} and the graphs "
-            f"{scratch_slots}: a slot leaked")
-        assert usage.num_pages == len(owned) + cached_pages + scratch_pages, (
-            f"{usage.num_pages} pages live but requests own {len(owned)}, the cache {cached_pages} and the graphs "
-            f"{scratch_pages}: a page leaked")
-        for request in self.scheduler.waiting:
-            assert request.status == Status.WAITING, f"request {request.request_id} waits as {request.status}"
-            assert request.working_slot is None and not request.page_handles and request.cache_node is None, (
-                f"waiting request {request.request_id} still holds memory")
+        """Pool, cache and prompt-logprob store structure, and the ownership rules between requests and the cache
+        (k3core.engine_invariants)."""
+        check_engine_invariants(self)
