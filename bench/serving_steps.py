@@ -15,23 +15,8 @@ import time
 
 import torch
 
-from bench.model_bench import decode_work, fill_random, graph_runner_of, make_pool
+from bench.model_bench import decode_work, fill_random, graph_runner_of, make_pool, synchronize, time_host
 from k3core.model.batch import SeqWork
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ms(device: torch.device, fn, iters: int) -> float:
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def mixed_steps(llm, args, device) -> dict:
@@ -49,15 +34,15 @@ def mixed_steps(llm, args, device) -> dict:
     runner = llm.runner
     iters = 2 if args.smoke else 10
     out = {"chunk_tokens": 2 * half, "decode_rows": len(decodes), "context": args.input_len}
-    out["prefill_chunk_ms"] = _ms(device, lambda: runner.forward(chunk, pool), iters)
-    out["decode_eager_ms"] = _ms(device, lambda: runner.forward(decodes, pool), iters)
-    out["mixed_one_forward_ms"] = _ms(device, lambda: runner.forward(chunk + decodes, pool), iters)
+    out["prefill_chunk_ms"] = time_host(device, lambda: runner.forward(chunk, pool), iters)
+    out["decode_eager_ms"] = time_host(device, lambda: runner.forward(decodes, pool), iters)
+    out["mixed_one_forward_ms"] = time_host(device, lambda: runner.forward(chunk + decodes, pool), iters)
     if device.type == "cuda":
         graph = GraphDecode(llm.network, pool, max_context=args.input_len + 1, buckets=[args.concurrency])
         graph.capture(graph_runner_of(args.backend))
-        out["decode_graph_ms"] = _ms(device, lambda: graph.run(decodes), iters)
+        out["decode_graph_ms"] = time_host(device, lambda: graph.run(decodes), iters)
         split = MixedSplit(list(range(2, 2 + len(decodes))), [0, 1])
-        out["mixed_split_ms"] = _ms(device, lambda: run_split(split, chunk + decodes, None, graph, runner, pool),
+        out["mixed_split_ms"] = time_host(device, lambda: run_split(split, chunk + decodes, None, graph, runner, pool),
                                     iters)
         graph.close()
     del pool
@@ -82,13 +67,13 @@ def replay_busy(llm, args, device) -> dict:
         work = decode_work(pool, sequences, args.input_len)
         graph.run(work)
         replay = graph.runner.graphs[rows].graph.replay
-        wall_ms = _ms(device, replay, 20)
+        wall_ms = time_host(device, replay, 20)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(20):
                 replay()
-            _sync(device)
+            synchronize(device)
             profiled_ms = (time.perf_counter() - start) * 1e3
         events = [e for e in prof.events() if e.device_type.name == "CUDA"]
         busy_ms = _union_us([(e.time_range.start, e.time_range.end) for e in events]) / 1e3
