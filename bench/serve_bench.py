@@ -171,7 +171,23 @@ def summarize(results: list[RequestResult], duration: float, cache_before: dict,
         "server_cache_queried_tokens": queried, "server_cache_hit_tokens": hit,
         "server_cache_hit_rate": hit / queried if queried else 0.0,
         "usage_cached_tokens": sum(r.cached_tokens for r in good),
+        "server_steps": server_steps(cache_before, cache_after),
     }
+
+
+def server_steps(before: dict, after: dict) -> dict:
+    """The engine's steps between two /metrics reads: by kind, decode rows (and their mean per step with decodes),
+    prefill tokens, and the seconds its loop spent idle and in steps (k3core.step_counts)."""
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+    out = {kind: delta("k3core_engine_steps_by_kind_total", kind=kind) for kind in ("prefill", "mixed", "decode")}
+    out["decode_rows"] = delta("k3core_engine_decode_rows_total")
+    out["prefill_tokens"] = delta("k3core_engine_prefill_tokens_total")
+    with_decode = out["mixed"] + out["decode"]
+    out["mean_decode_rows"] = out["decode_rows"] / with_decode if with_decode else 0.0
+    out["idle_s"] = delta("k3core_engine_idle_seconds_total")
+    out["step_s"] = delta("k3core_engine_step_seconds_total")
+    return out
 
 
 def machine() -> dict:
@@ -206,6 +222,10 @@ def print_summary(summary: dict) -> None:
     state = "on" if summary["server_prefix_cache_enabled"] else "off"
     print(f"prefix cache ({state}): hit rate {summary['server_cache_hit_rate']:.1%} "
           f"({summary['server_cache_hit_tokens']:.0f} of {summary['server_cache_queried_tokens']:.0f} tokens)")
+    steps = summary["server_steps"]
+    print(f"engine steps: {steps['prefill']:.0f} prefill, {steps['mixed']:.0f} mixed, {steps['decode']:.0f} decode; "
+          f"{steps['mean_decode_rows']:.1f} decode rows per step with decodes; loop {steps['step_s']:.2f} s in "
+          f"steps, {steps['idle_s']:.2f} s idle")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,36 +86,23 @@ def replay_busy(llm, args, device) -> dict:
 
 
 def offline_steps(llm, args, prompts: list[str]) -> dict:
-    """The offline workload with split_mixed_steps on and off: duration and steps by kind."""
+    """The offline workload with split_mixed_steps on and off: duration and the steps' mix (k3core.step_counts)."""
     from k3core.sampling_params import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    original = engine.scheduler.schedule
-    counts: dict[str, int] = {}
-
-    def counting_schedule():
-        chunks = original()
-        if chunks:
-            decodes = sum(1 for c in chunks if c.num_tokens == 1 and c.request.num_computed_tokens > 0)
-            kind = "decode" if decodes == len(chunks) else "prefill" if decodes == 0 else "mixed"
-            counts[kind] = counts.get(kind, 0) + 1
-        return chunks
-
     out = {}
-    engine.scheduler.schedule = counting_schedule
     try:
         for split in (True, False):
             engine.options.split_mixed_steps = split
-            counts.clear()
             llm.flush_cache()
-            graph_steps = engine.num_graph_steps
+            graph_steps, counts = engine.num_graph_steps, engine.step_counts.copy()
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             duration = time.perf_counter() - start
             out["split_on" if split else "split_off"] = {
                 "duration_s": duration, "output_tok_s": sum(len(o.token_ids) for o in outs) / duration,
-                "steps": dict(counts), "graph_steps": engine.num_graph_steps - graph_steps}
+                "steps": engine.step_counts.since(counts).as_dict(),
+                "graph_steps": engine.num_graph_steps - graph_steps}
     finally:
-        engine.scheduler.schedule = original
         engine.options.split_mixed_steps = True
     return out

@@ -44,6 +44,7 @@ from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
 from k3core.sampling_params import SamplingParams
 from k3core.sched.request import UNRESOLVED_TOKEN, Request
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
+from k3core.step_counts import StepCounts
 from k3core.stop import OutputText
 from k3core.transfer import index_tables
 
@@ -142,6 +143,7 @@ class Engine:
             self.eos_token_ids.add(self.config.eos_token_id)
         self.sampler = Sampler(self.config.vocab_size, llm.device, self.eos_token_ids, llm.ops)
         self.num_steps = 0
+        self.step_counts = StepCounts()                   # the steps' mix (k3core.step_counts)
         self.num_graph_steps = 0                          # steps replayed from a captured decode graph
         self.constraints = None                           # structured outputs' matchers, from the first such request
         self.num_resolved_steps = 0                       # overlapped steps that read the step in flight first
@@ -305,6 +307,7 @@ class Engine:
             return None
         assert len({id(c.request) for c in chunks}) == len(chunks), "the scheduler gave a request two chunks"
         self.num_steps += 1
+        self.step_counts.count(chunks)
         pool = self.pool
         work, positions, rows, flat = [], [], [], 0
         prompt_rows: list[PromptRows] = []

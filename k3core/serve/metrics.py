@@ -65,6 +65,14 @@ class EngineSnapshot:
     num_retractions: int = 0
     num_steps: int = 0
     cache_bytes: int = 0            # of kda_bytes + mla_bytes, what the prefix cache owns (checkpoints, tree pages)
+    # the steps' mix (k3core.step_counts) and where the engine loop's time went
+    num_prefill_steps: int = 0
+    num_mixed_steps: int = 0
+    num_decode_steps: int = 0
+    num_decode_rows: int = 0
+    num_prefill_tokens: int = 0
+    idle_seconds: float = 0.0       # the loop waited for a command with nothing to run
+    step_seconds: float = 0.0       # the loop ran engine steps (launch, and reading the step before)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -212,6 +220,21 @@ class _SnapshotCollector:
         yield k3(counter, "k3core_num_retractions", "Requests retracted to free memory and recomputed.",
                  snap.num_retractions)
         yield k3(counter, "k3core_engine_steps", "Engine steps run.", snap.num_steps)
+        kinds = CounterMetricFamily("k3core_engine_steps_by_kind", "Engine steps by what they held: prefill "
+                                    "chunks only, prefill chunks and decodes (mixed), decodes only.",
+                                    labels=["model_name", "kind"])
+        for kind, value in (("prefill", snap.num_prefill_steps), ("mixed", snap.num_mixed_steps),
+                            ("decode", snap.num_decode_steps)):
+            kinds.add_metric([metrics.model_name, kind], value)
+        yield kinds
+        yield k3(counter, "k3core_engine_decode_rows", "Decode rows summed over steps (over the mixed and decode "
+                 "steps: the mean decode batch).", snap.num_decode_rows)
+        yield k3(counter, "k3core_engine_prefill_tokens", "Prefill tokens summed over steps.",
+                 snap.num_prefill_tokens)
+        yield k3(counter, "k3core_engine_idle_seconds", "Seconds the engine loop waited with nothing to run.",
+                 snap.idle_seconds)
+        yield k3(counter, "k3core_engine_step_seconds", "Seconds the engine loop spent in steps.",
+                 snap.step_seconds)
 
         yield vllm(gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",
                    snap.num_running)
