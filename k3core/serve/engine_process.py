@@ -8,7 +8,12 @@ two sides exchange msgspec-encoded messages over two ZMQ PUSH/PULL sockets on pr
     server -> engine   Submit, Abort, Flush, Stop
     engine -> server   Ready (model facts or the start-up error), Event (a request's step output), Observe (a
                        latency/token metric sample), Publish (pool and queue state), Flushed, Beat (alive),
-                       Failed (the engine loop stopped: why, just before the process exits)
+                       Failed (the engine loop stopped: why, just before the process exits), Batch (what one
+                       iteration of the engine loop produced: its Events, Observes and Publish in one message)
+
+One Batch per loop iteration, not a message per request: at 64 running requests a step emits 64 events and 64
+metric samples, and one encode and one send each would cost the engine loop about a millisecond of every step and
+wake the server's receiver 129 times.
 
 `EngineProcess` keeps each request's sink on the server side and calls it from its receiver thread. The receiver
 also watches the child: if it exits, or stops sending its heartbeat for `heartbeat_timeout_s` while alive (wedged:
@@ -52,6 +57,7 @@ class Submit(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float
+    observe: bool = True
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -60,6 +66,7 @@ class Abort(msgspec.Struct, tag=True):
 
 class Flush(msgspec.Struct, tag=True):
     token: int
+    rebase: bool = False
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -105,8 +112,12 @@ class Failed(msgspec.Struct, tag=True):
     reason: str
 
 
+class Batch(msgspec.Struct, tag=True):
+    messages: list[Event | Observe | Publish | Flushed]
+
+
 ToEngine = Submit | Abort | Flush | Stop
-FromEngine = Ready | Event | Observe | Publish | Flushed | Beat | Failed
+FromEngine = Ready | Event | Observe | Publish | Flushed | Beat | Failed | Batch
 OBSERVERS = ("observe_first_token", "observe_tokens", "observe_finish")
 
 
@@ -144,12 +155,33 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
         with out_lock:                      # the engine loop and the command reader both send
             out.send(data)
 
-    engine = EngineThread(build_llm, _ForwardingMetrics(send), context_length=context_length)
-    engine.on_loop_failure = lambda reason: send(Failed(reason))   # the server fails the requests, with the cause
+    pending: list[Event | Observe | Publish | Flushed] = []
+    pending_lock = threading.Lock()
+
+    def emit(message: Event | Observe | Publish | Flushed) -> None:
+        """Held until the engine loop's iteration ends (`flush`), in the order emitted: a Flushed goes out after the
+        Publish of the emptied pool, whichever thread resolved the flush."""
+        with pending_lock:
+            pending.append(message)
+
+    def flush() -> None:
+        with pending_lock:
+            messages = pending[:]
+            pending.clear()
+        if messages:
+            send(messages[0] if len(messages) == 1 else Batch(messages))
+
+    def loop_failed(reason: str) -> None:
+        flush()                             # what the loop emitted before it stopped, then why it stopped
+        send(Failed(reason))                # the server fails the requests, with the cause
+
+    engine = EngineThread(build_llm, _ForwardingMetrics(emit), context_length=context_length)
+    engine.on_loop_failure = loop_failed
+    engine.after_iteration = flush
 
     def sink_for(request_id: str) -> Callable[[EngineEvent], None]:
         def sink(event: EngineEvent) -> None:
-            send(Event(request_id, event.new_token_ids, event.new_logprobs, event.finished, event.finish_reason,
+            emit(Event(request_id, event.new_token_ids, event.new_logprobs, event.finished, event.finish_reason,
                        event.num_cached_tokens, event.error, event.new_text, event.prompt_logprobs))
         return sink
 
@@ -159,12 +191,12 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
             command = decoder.decode(inbox.recv())
             if isinstance(command, Submit):
                 engine.submit(command.request_id, command.prompt_token_ids, command.params,
-                              sink_for(command.request_id), command.arrival)
+                              sink_for(command.request_id), command.arrival, command.observe)
             elif isinstance(command, Abort):
                 engine.abort(command.request_id)
             elif isinstance(command, Flush):
-                done = engine.flush_cache()
-                done.add_done_callback(lambda f, token=command.token: send(Flushed(token, bool(f.result()))))
+                done = engine.flush_cache(command.rebase)
+                done.add_done_callback(lambda f, token=command.token: emit(Flushed(token, bool(f.result()))))
             elif isinstance(command, Stop):
                 engine._stop.set()
                 return
@@ -200,6 +232,7 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
     except BaseException:                   # the loop stopped (e.g. RanksOutOfStep) and sent Failed: let it leave
         out.close(linger=1000)
         raise
+    flush()                                 # the aborts of the requests still running when Stop came
     if engine.error is not None:
         time.sleep(0.2)                     # let Ready(error) leave before the sockets close
     out.close(linger=1000)
@@ -272,18 +305,18 @@ class EngineProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: Callable[[EngineEvent], None], arrival: float) -> None:
+               sink: Callable[[EngineEvent], None], arrival: float, observe: bool = True) -> None:
         if self.error is not None:
             sink(EngineEvent([], [], True, "error", error=self.error))
             return
         self._sinks[request_id] = sink
-        self._send(Submit(request_id, list(prompt_token_ids), params, arrival))
+        self._send(Submit(request_id, list(prompt_token_ids), params, arrival, observe))
 
     def abort(self, request_id: str) -> None:
         if self.error is None:
             self._send(Abort(request_id))
 
-    def flush_cache(self) -> Future:
+    def flush_cache(self, rebase: bool = False) -> Future:
         done: Future = Future()
         if self.error is not None:
             done.set_exception(RuntimeError(self.error))
@@ -292,7 +325,7 @@ class EngineProcess:
             token = self._next_flush
             self._next_flush += 1
             self._flushes[token] = done
-        self._send(Flush(token))
+        self._send(Flush(token, rebase))
         return done
 
     def _send(self, message: ToEngine) -> None:
@@ -320,7 +353,10 @@ class EngineProcess:
                 return
 
     def _dispatch(self, message: FromEngine) -> None:
-        if isinstance(message, Event):
+        if isinstance(message, Batch):
+            for part in message.messages:
+                self._dispatch(part)
+        elif isinstance(message, Event):
             sink = self._sinks.get(message.request_id)
             if sink is None:
                 return

@@ -66,6 +66,7 @@ class _Submit:
     params: SamplingParams
     sink: Callable[[EngineEvent], None]
     arrival: float
+    observe: bool = True                    # False: left out of the request metrics (the server's HTTP warm-up)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Abort:
 @dataclass
 class _Flush:
     done: Future = field(default_factory=Future)
+    rebase: bool = False                    # also restart the metrics' engine counters (after the HTTP warm-up)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class _Tracked:
     num_text_chars: int = 0                 # characters of text already sent to the sink
     scheduled_time: float | None = None     # start of the first step that scheduled it (ends its queue time)
     num_generated: int = 0
+    observe: bool = True                    # recorded in the request metrics
 
     def finish_metrics(self, now: float, finish_reason: str) -> tuple[float, str, float, int, int]:
         """observe_finish's arguments (e2e, reason, queue time, prompt and generated tokens); a request never
@@ -112,6 +115,12 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="k3core-engine", daemon=True)
         self._tracked: dict[str, _Tracked] = {}
         self._stats_base = (0, 0)
+        self._steps_base = None                    # the engine's StepCounts after warm-up (the metrics count from it)
+        self.idle_seconds = 0.0                    # the loop waited for commands with nothing to run
+        self.step_seconds = 0.0                    # the loop ran engine steps
+        # called once per loop iteration, after the step's events and the snapshot (the engine process sends
+        # what they produced as one message there)
+        self.after_iteration: Callable[[], None] | None = None
 
     # ---- the HTTP side's doors (any thread) ------------------------------------------------------------
     def start(self) -> None:
@@ -122,15 +131,16 @@ class EngineThread:
         self._thread.join(timeout)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sink: Callable[[EngineEvent], None], arrival: float) -> None:
-        self._commands.put(_Submit(request_id, prompt_token_ids, params, sink, arrival))
+               sink: Callable[[EngineEvent], None], arrival: float, observe: bool = True) -> None:
+        self._commands.put(_Submit(request_id, prompt_token_ids, params, sink, arrival, observe))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    def flush_cache(self) -> Future:
-        """A future that resolves (on the engine thread) to True once the prefix cache has been emptied."""
-        command = _Flush()
+    def flush_cache(self, rebase: bool = False) -> Future:
+        """A future that resolves (on the engine thread) to True once the prefix cache has been emptied. rebase:
+        the engine counters the metrics export (prefix-cache lookups, steps, loop seconds) restart from here."""
+        command = _Flush(rebase=rebase)
         self._commands.put(command)
         return command.done
 
@@ -162,12 +172,20 @@ class EngineThread:
         self.ready.set()
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_work)
+                idle = not self.engine.has_work
+                started = time.monotonic()
+                self._drain_commands(block=idle)
+                if idle:
+                    self.idle_seconds += time.monotonic() - started
                 if self.engine.has_work:
+                    started = time.monotonic()
                     self._step()
+                    self.step_seconds += time.monotonic() - started
                 elif hasattr(self.engine, "keep_alive"):   # a DistributedEngine: idle followers must hear from it
                     self.engine.keep_alive()
                 self._publish()
+                if self.after_iteration is not None:
+                    self.after_iteration()
         except BaseException as exc:   # e.g. RanksOutOfStep: the loop cannot go on; say so instead of dying mute
             reason = f"the engine loop stopped ({type(exc).__name__}: {exc})"
             if self.on_loop_failure is not None:
@@ -204,9 +222,7 @@ class EngineThread:
             ids.append(engine.add_request(prompt, params[index % 2], f"warmup-{index}"))
         engine.run_until_done(ids)
         engine.flush_cache()                           # start with an empty pool and cache
-        if engine.cache is not None:
-            stats = engine.cache.stats
-            self._stats_base = (stats.queried_tokens, stats.hit_tokens)
+        self._rebase_counters()
         layout = engine.pool.layout
         context = config.max_position_embeddings
         if self._context_cap is not None:
@@ -217,6 +233,15 @@ class EngineThread:
                               engine.memory_usage().capacity_bytes - getattr(engine, "reserved_bytes", 0),
                               engine.cache is not None)
         self._publish()
+
+    def _rebase_counters(self) -> None:
+        """The exported engine counters count from here (after a warm-up)."""
+        engine = self.engine
+        if engine.cache is not None:
+            stats = engine.cache.stats
+            self._stats_base = (stats.queried_tokens, stats.hit_tokens)
+        self._steps_base = engine.step_counts.copy()
+        self.idle_seconds = self.step_seconds = 0.0
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -238,11 +263,13 @@ class EngineThread:
                 command.sink(EngineEvent([], [], True, "rejected", error=str(exc)))
                 return
             self._tracked[command.request_id] = _Tracked(command.sink, command.arrival,
-                                                         len(command.prompt_token_ids))
+                                                         len(command.prompt_token_ids), observe=command.observe)
         elif isinstance(command, _Abort):
             self._abort(command.request_id)
         elif isinstance(command, _Flush):
             flushed = self.engine.flush_cache()
+            if command.rebase:
+                self._rebase_counters()
             self._publish()                      # a /metrics read right after /flush_cache sees the empty pool
             command.done.set_result(flushed)
 
@@ -253,7 +280,8 @@ class EngineThread:
         self.engine.abort(request_id)
         request = self.engine.requests.pop(request_id, None)
         rest = request.text[tracked.num_text_chars:] if request is not None else ""   # text held back until now
-        self.metrics.observe_finish(*tracked.finish_metrics(time.monotonic(), "abort"))
+        if tracked.observe:
+            self.metrics.observe_finish(*tracked.finish_metrics(time.monotonic(), "abort"))
         tracked.sink(EngineEvent([], [], True, "abort", new_text=rest))
 
     def _step(self) -> None:
@@ -280,7 +308,9 @@ class EngineThread:
             if tracked is None:
                 continue
             request = self.engine.requests[output.request_id]
-            if tracked.last_token_time is None:
+            if not tracked.observe:
+                pass
+            elif tracked.last_token_time is None:
                 self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
                 self.metrics.observe_tokens(len(output.new_token_ids), None)
             else:
@@ -293,7 +323,8 @@ class EngineThread:
             if output.finished:
                 self._tracked.pop(output.request_id)
                 self.engine.requests.pop(output.request_id, None)
-                self.metrics.observe_finish(*tracked.finish_metrics(now, output.finish_reason or "stop"))
+                if tracked.observe:
+                    self.metrics.observe_finish(*tracked.finish_metrics(now, output.finish_reason or "stop"))
             tracked.sink(EngineEvent(list(output.new_token_ids), list(output.new_logprobs), output.finished,
                                      output.finish_reason, request.num_cached_tokens, error=output.error,
                                      new_text=output.new_text, prompt_logprobs=output.prompt_logprobs))
@@ -302,6 +333,9 @@ class EngineThread:
 
     def _publish(self) -> None:
         engine = self.engine
+        steps = engine.step_counts
+        if self._steps_base is not None:
+            steps = steps.since(self._steps_base)
         usage = engine.memory_usage()
         queried = hit = cache_bytes = 0
         if engine.cache is not None:
@@ -315,4 +349,7 @@ class EngineThread:
             kda_bytes=usage.kda_bytes, mla_bytes=usage.mla_bytes, free_bytes=usage.free_bytes,
             capacity_bytes=usage.capacity_bytes, num_slots=usage.num_slots, num_pages=usage.num_pages,
             prefix_cache=engine.cache is not None, cache_queried_tokens=queried, cache_hit_tokens=hit,
-            num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps, cache_bytes=cache_bytes))
+            num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps, cache_bytes=cache_bytes,
+            num_prefill_steps=steps.prefill, num_mixed_steps=steps.mixed, num_decode_steps=steps.decode,
+            num_decode_rows=steps.decode_rows, num_prefill_tokens=steps.prefill_tokens,
+            idle_seconds=self.idle_seconds, step_seconds=self.step_seconds))
