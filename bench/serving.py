@@ -219,10 +219,14 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
         for attempt in range(2):                  # the first request after /health, then the same again
             if attempt:
                 httpx.post(url + "/flush_cache", timeout=60)
+            before = serve_bench.parse_metrics(httpx.get(url + "/metrics").text)
             result = asyncio.run(_one(url, model, prompts[0], 1))
             if not result.ok:
                 raise RuntimeError(f"first request failed: {result.error}")
             first.append(result.ttft * 1e3)
+            after = serve_bench.parse_metrics(httpx.get(url + "/metrics").text)
+            out["first_request_parts" if attempt == 0 else "repeat_parts"] = _server_parts(before, after,
+                                                                                          result.ttft)
         out["first_request_ttft_ms"], out["repeat_ttft_ms"] = first
         # where a cold first request's time goes: a second prompt never seen (new text, same length class) right
         # away, then the same after the server sat idle for 5 s (an idle GPU may drop its clocks)
@@ -242,7 +246,8 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
             summary = serve_bench.summarize(results, duration, before, after)
             if summary["num_failed"]:
                 raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
-            out[name] = {k: summary[k] for k in ("duration_s", "output_tokens_per_s", "ttft", "itl", "tpot")}
+            out[name] = {k: summary[k] for k in ("duration_s", "output_tokens_per_s", "ttft", "itl", "tpot",
+                                                 "server_steps")}
     finally:
         _signal_group(server.pid, 15)             # the server and its engine process
         try:
@@ -251,6 +256,17 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
             _signal_group(server.pid, 9)
         log.close()
     return out
+
+
+def _server_parts(before: dict, after: dict, client_ttft_s: float) -> dict:
+    """Where one request's TTFT went, from the server's metrics around it (ms): arrival at the route to the
+    first token in the engine (queue = arrival to its first scheduled step), and the rest the client saw (sending
+    the request, the event's way back, SSE)."""
+    def grew(name: str) -> float:
+        return serve_bench.metric_sum(after, name) - serve_bench.metric_sum(before, name)
+    engine_ttft = grew("k3core_time_to_first_token_seconds_sum") * 1e3
+    return {"server_ttft_ms": engine_ttft, "queue_ms": grew("vllm:request_queue_time_seconds_sum") * 1e3,
+            "outside_server_ms": client_ttft_s * 1e3 - engine_ttft}
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -46,7 +46,7 @@ class ScriptedEngine:
         self.reply = ANSWER_REPLY
         self.submitted: list[tuple[list[int], object]] = []
 
-    def submit(self, request_id, prompt_token_ids, params, sink, arrival):
+    def submit(self, request_id, prompt_token_ids, params, sink, arrival, observe=True):
         self.submitted.append((list(prompt_token_ids), params))
         tokenizer = self.info.tokenizer
         ids = tokenizer.encode_with_specials(self.reply) + [tokenizer.eos_token_ids[0]]

@@ -303,7 +303,7 @@ class ScriptedEngine:
         self.ready.set()
         self.submitted: list[list[int]] = []
 
-    def submit(self, request_id, prompt_token_ids, params, sink, arrival):
+    def submit(self, request_id, prompt_token_ids, params, sink, arrival, observe=True):
         from k3core.serve.engine_thread import EngineEvent
         from k3core.stop import IncrementalDetokenizer
         self.submitted.append(list(prompt_token_ids))

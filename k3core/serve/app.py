@@ -30,6 +30,7 @@ from k3core.serve.args import ServerArgs
 from k3core.serve.body import parse_json_off_loop, read_body
 from k3core.serve.engine_thread import EngineThread, ModelInfo
 from k3core.serve.generation import Generation
+from k3core.serve.http_warmup import HttpWarmup
 from k3core.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ServerMetrics
 from k3core.serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, parse_chat, \
     parse_completion
@@ -42,7 +43,8 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -> FastAPI:
+def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics,
+               warmup: HttpWarmup | None = None) -> FastAPI:
     app = FastAPI(title="k3core", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(AccessLogMiddleware, log_requests=not args.disable_log_requests)
     generations: dict[str, Generation] = {}        # request id -> its live generation, for /abort_request
@@ -258,7 +260,8 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
                          include_usage=req.include_usage, parser_factory=parser_factory, echo_texts=echo_texts,
                          prompt_logprobs=req.prompt_logprobs,
                          max_buffered_events=args.max_stream_buffer_events if req.stream else None,
-                         on_done=ticket.release, hide_cached_tokens=args.hide_cached_tokens)
+                         on_done=ticket.release, hide_cached_tokens=args.hide_cached_tokens,
+                         observe=warmup is None or not warmup.is_warmup(request.headers))
         weakref.finalize(gen, ticket.release)    # a stream whose response never started never closes its generation
         note_usage(request, gen.usage)
         if req.stream:
@@ -386,6 +389,9 @@ def create_app(args: ServerArgs, engine: EngineThread, metrics: ServerMetrics) -
     @app.get("/health")
     async def health() -> JSONResponse:
         ready_info()
+        if warmup is not None and not warmup.done.is_set():
+            raise APIError("the server is warming up its HTTP path; retry in a few seconds", status=503,
+                           type="server_error", code="engine_not_ready")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -51,6 +51,7 @@ class ServerArgs:
     disable_prefix_cache: bool = False
     disable_overlap: bool = False
     engine_in_process: bool = False
+    no_http_warmup: bool = False              # /health turns 200 without warm-up requests through the HTTP path
     cuda_graphs: bool = False
     graph_batch_sizes: str = "1,2,4,8,16,32,64"   # comma-separated; a YAML list is accepted too
     graph_max_context: int = 32768
@@ -149,6 +150,9 @@ _HELP = {
     "disable_overlap": "run each step's host work after its GPU work instead of beside the next step's (debugging)",
     "engine_in_process": "run the engine on a thread of the server process instead of a process of its own "
                          "(debugging; the HTTP side then shares the engine's GIL)",
+    "no_http_warmup": "say ready (/health 200) as soon as the engine has warmed up, without first sending warm-up "
+                      "requests through the HTTP path (the first client request then pays that path's one-time "
+                      "costs)",
     "cuda_graphs": "replay decode steps from CUDA/HIP graphs captured at start (one GPU, backend cuda or rocm)",
     "graph_batch_sizes": "batch sizes to capture a decode graph for, comma-separated (larger batches run eagerly)",
     "graph_max_context": "longest context a replayed decode step holds; longer ones run eagerly (a wider graph "

@@ -80,13 +80,16 @@ class Generation:
                  n: int, tokenizer: Any, registry: dict[str, "Generation"], include_usage: bool = False,
                  parser_factory: Callable[[], Any] | None = None, echo_texts: list[str] | None = None,
                  prompt_logprobs: int | None = None, max_buffered_events: int | None = None,
-                 on_done: Callable[[], None] | None = None, hide_cached_tokens: bool = False):
+                 on_done: Callable[[], None] | None = None, hide_cached_tokens: bool = False,
+                 observe: bool = True):
         """`echo_texts`: completions with echo, the text of each prompt (its choices' text starts with it);
         `prompt_logprobs`: the top-N of vLLM's `prompt_logprobs` field, None = no such field.
         `max_buffered_events`: engine events waiting for the client to read them, at most; past that the client
         is too slow (a stalled reader) and every choice is aborted, its events dropped. `on_done` runs once, when
-        the generation closes or is aborted that way."""
+        the generation closes or is aborted that way. `observe`: False leaves its engine requests out of the
+        request metrics (the server's own HTTP warm-up)."""
         self.engine = engine
+        self.observe = observe
         self.max_buffered_events = max_buffered_events
         self.on_done = on_done
         self.hide_cached_tokens = hide_cached_tokens
@@ -123,7 +126,8 @@ class Generation:
             def sink(event: EngineEvent, index: int = choice.index) -> None:
                 if not loop.is_closed():             # the server has shut down: nobody waits for the event
                     loop.call_soon_threadsafe(self._put, index, event)
-            self.engine.submit(choice.engine_id, self.prompts[choice.prompt_index], params, sink, arrival)
+            self.engine.submit(choice.engine_id, self.prompts[choice.prompt_index], params, sink, arrival,
+                               observe=self.observe)
 
     def _put(self, index: int, event: EngineEvent) -> None:
         if self.overflowed:

@@ -21,6 +21,7 @@ from k3core.serve.args import ServerArgs
 from k3core.serve.engine_process import EngineProcess
 from k3core.serve.engine_thread import EngineThread
 from k3core.serve.http_protocol import h11_with_header_timeout
+from k3core.serve.http_warmup import HttpWarmup, connect_url
 from k3core.serve.liveness import RankWatcher
 from k3core.serve.metrics import ServerMetrics
 
@@ -62,6 +63,7 @@ class Server:
     uvicorn_server: uvicorn.Server
     ranks: RankWatcher | None = None       # the follower ranks this process started, under a plan
     failure: str | None = None             # why the engine stopped serving after it had started
+    warmup: HttpWarmup | None = None       # requests through the HTTP path before /health turns 200
 
     @property
     def exit_code(self) -> int:
@@ -95,12 +97,35 @@ class Server:
         log.info("engine ready: model %s%s, context %d tokens, prefix cache %s, pool %.1f MiB",
                  self.args.model, note, info.context_length, "on" if info.prefix_cache else "off",
                  info.capacity_bytes / 2**20)
+        if self.warmup is not None:
+            self._warm_http()
         self.engine.dead.wait()
         self.failure = self.engine.error
         log.error("the engine stopped serving (%s): /health answers 503; exiting with code %d in %g s",
                   self.failure, EXIT_ENGINE_DIED, EXIT_GRACE_S)
         time.sleep(EXIT_GRACE_S)
         self.uvicorn_server.should_exit = True
+
+    def _warm_http(self) -> None:
+        """k3core.serve.http_warmup: once uvicorn listens, requests to this server through its own socket; then
+        the cache emptied and the engine counters rebased, and /health may turn 200. Whatever goes wrong here is
+        logged and the server becomes ready anyway."""
+        started = time.monotonic()
+        try:
+            while not self.uvicorn_server.started:
+                if self.uvicorn_server.should_exit or self.engine.dead.is_set():
+                    return
+                time.sleep(0.02)
+            host, port = self.uvicorn_server.servers[0].sockets[0].getsockname()[:2]
+            for problem in self.warmup.run(connect_url(host, port), self.args.model_name, self.args.api_key):
+                log.warning("an HTTP warm-up request failed (the server becomes ready anyway): %s", problem)
+            self.engine.flush_cache(rebase=True).result(timeout=120)
+        except Exception as exc:  # noqa: BLE001 (a warm-up that cannot run must not keep the server unready)
+            log.warning("the HTTP warm-up did not complete (%s: %s); the server becomes ready anyway",
+                        type(exc).__name__, exc)
+        finally:
+            self.warmup.done.set()
+        log.info("HTTP path warmed up in %.0f ms; /health answers 200", (time.monotonic() - started) * 1e3)
 
     def shutdown(self) -> None:
         self.uvicorn_server.should_exit = True
@@ -139,10 +164,11 @@ def build_server(args: ServerArgs) -> Server:
         watcher = RankWatcher(ranks, args.rank_heartbeat_timeout, on_failure=engine.fail)
         if isinstance(engine, EngineProcess):
             engine.root_cause = watcher.check_now
-    app = create_app(args, engine, metrics)
+    warmup = None if args.no_http_warmup else HttpWarmup()
+    app = create_app(args, engine, metrics, warmup)
     # uvicorn's own access log stays off: k3core.serve.access writes one line per request, with tokens
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=2, access_log=False,
                             http=h11_with_header_timeout(args.header_read_timeout),
                             timeout_keep_alive=args.keep_alive_timeout)
-    return Server(args, engine, metrics, uvicorn.Server(config), watcher)
+    return Server(args, engine, metrics, uvicorn.Server(config), watcher, warmup=warmup)
