@@ -183,6 +183,8 @@ def server_steps(before: dict, after: dict) -> dict:
     out = {kind: delta("k3core_engine_steps_by_kind_total", kind=kind) for kind in ("prefill", "mixed", "decode")}
     out["decode_rows"] = delta("k3core_engine_decode_rows_total")
     out["prefill_tokens"] = delta("k3core_engine_prefill_tokens_total")
+    out["graph_steps"] = delta("k3core_engine_graph_steps_total")
+    out["split_steps"] = delta("k3core_engine_split_steps_total")
     with_decode = out["mixed"] + out["decode"]
     out["mean_decode_rows"] = out["decode_rows"] / with_decode if with_decode else 0.0
     out["idle_s"] = delta("k3core_engine_idle_seconds_total")

@@ -193,6 +193,7 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
                "--max-running-requests", str(args.concurrency), "--chunked-prefill-tokens", str(args.chunk)]
     if args.cuda_graphs:
         command += ["--cuda-graphs"]
+    command += args.server_args.split()
     if args.smoke:
         command += ["--device", "cpu", "--memory-bytes", str(256 << 20)]
     log = open(out_dir / "serving-server.log", "w")
@@ -347,7 +348,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {value:.3f} | {target} |")
     lines += ["", "Raw numbers (ms unless named otherwise):", "", "```", json.dumps(
         {k: result.get(k) for k in ("ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline",
-                                    "offline_steps", "http", "errors")},
+                                    "offline_steps", "engine_loop", "http", "errors")},
         indent=1, default=str), "```", ""]
     return "\n".join(lines)
 
@@ -364,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="chunked_prefill_tokens (default: the engine's)")
     parser.add_argument("--memory-fraction", type=float, default=0.3)
     parser.add_argument("--sections", default="ceiling,replay_busy,mixed_steps,engine_steps,lone_prompt,offline,"
-                        "offline_steps,http")
+                        "offline_steps,engine_loop,http")
+    parser.add_argument("--server-args", default="", help="more flags for the http section's server, e.g. "
+                        "\"--engine-in-process\" (space-separated)")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default=None, help="result file stem (default serving-<device>)")
     parser.add_argument("--smoke", action="store_true", help="tiny, on the CPU (tests)")
@@ -405,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             result["errors"][name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
 
-    if sections & {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline", "offline_steps"}:
+    if sections & {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline", "offline_steps",
+                   "engine_loop"}:
         llm = LLM(args.model, cuda_graphs=args.cuda_graphs, **common)
         section("ceiling", ceiling, llm, args, device)
         section("replay_busy", serving_steps.replay_busy, llm, args, device)
@@ -420,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             del cold
         section("offline", offline, llm, args, prompts)
         section("offline_steps", serving_steps.offline_steps, llm, args, prompts)
+        section("engine_loop", serving_steps.engine_loop, llm, args, prompts)     # closes llm's engine: last
         llm.engine.close()
         del llm
         import gc

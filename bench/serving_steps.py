@@ -106,3 +106,61 @@ def offline_steps(llm, args, prompts: list[str]) -> dict:
     finally:
         engine.options.split_mixed_steps = True
     return out
+
+
+def engine_loop(llm, args, prompts: list[str]) -> dict:
+    """The offline workload through the server's engine loop (k3core.serve.engine_thread.EngineThread, in this
+    process, no HTTP): all prompts submitted at once, then closed-loop (args.concurrency in flight, the next prompt
+    submitted when one finishes, as bench.serve_bench's clients do). Duration, tokens/s and the steps' mix of each.
+    The loop closes the engine when it stops: run this after every other section on `llm`."""
+    import threading
+
+    from k3core.sampling_params import SamplingParams
+    from k3core.serve.engine_thread import EngineThread
+    from k3core.serve.metrics import ServerMetrics
+    metrics = ServerMetrics(args.model)
+    loop = EngineThread(lambda: llm, metrics)
+    loop.start()
+    if not loop.ready.wait(600) or loop.error is not None:
+        raise RuntimeError(f"the engine loop did not start: {loop.error}")
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    out = {}
+    try:
+        for mode in ("all_at_once", "closed_loop"):
+            llm_steps = llm.engine.step_counts.copy()
+            done, lock = threading.Event(), threading.Lock()
+            state = {"next": 0, "finished": 0, "tokens": 0}
+
+            def submit_next() -> None:
+                with lock:
+                    index = state["next"]
+                    if index >= len(ids):
+                        return
+                    state["next"] += 1
+                loop.submit(f"{mode}-{index}", ids[index], params, sink, time.monotonic())
+
+            def sink(event) -> None:
+                state["tokens"] += len(event.new_token_ids)
+                if event.finished:
+                    state["finished"] += 1
+                    if state["finished"] == len(ids):
+                        done.set()
+                    elif mode == "closed_loop":
+                        submit_next()
+            loop.flush_cache().result(60)
+            time.sleep(0.1)                           # the loop publishes after the flush; read its seconds after
+            before = metrics.snapshot
+            start = time.perf_counter()
+            for _ in range(len(ids) if mode == "all_at_once" else min(args.concurrency, len(ids))):
+                submit_next()
+            if not done.wait(600):
+                raise RuntimeError(f"{mode}: the engine loop finished {state['finished']} of {len(ids)} requests")
+            duration = time.perf_counter() - start
+            out[mode] = {"duration_s": duration, "output_tok_s": state["tokens"] / duration,
+                         "steps": llm.engine.step_counts.since(llm_steps).as_dict(),
+                         "idle_s": metrics.snapshot.idle_seconds - before.idle_seconds,
+                         "step_s": metrics.snapshot.step_seconds - before.step_seconds}
+    finally:
+        loop.stop()
+    return out

@@ -401,10 +401,13 @@ class Engine:
             split = split_mixed(work, graph, future)
             if split is not None:
                 self.num_graph_steps += 1
+                self.step_counts.graph_steps += 1
+                self.step_counts.split_steps += 1
                 return run_split(split, work, future, graph, self.runner, self.pool)
         if graph is None or not graph.accepts(work):
             return self.runner.forward(work, self.pool, future)
         self.num_graph_steps += 1
+        self.step_counts.graph_steps += 1
         logits = graph.run(work, future)                          # [len(work), V], valid until the next replay
         wanted = [row for row, item in enumerate(work) if item.want_logits != "none"]
         if len(wanted) == len(work):

@@ -19,6 +19,8 @@ class StepCounts:
     decode: int = 0             # steps whose chunks are all decodes (one new token after the prompt)
     decode_rows: int = 0        # decode chunks, summed over steps
     prefill_tokens: int = 0     # prefill tokens, summed over steps
+    graph_steps: int = 0        # steps whose decodes were replayed from a captured graph (whole or split)
+    split_steps: int = 0        # of those, mixed steps split into a graph replay and an eager forward
 
     def count(self, chunks) -> None:
         """Add one step of scheduled chunks (`k3core.sched` chunks: `.request`, `.num_tokens`), before the step

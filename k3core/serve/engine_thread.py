@@ -352,4 +352,5 @@ class EngineThread:
             num_retractions=engine.scheduler.num_retractions, num_steps=engine.num_steps, cache_bytes=cache_bytes,
             num_prefill_steps=steps.prefill, num_mixed_steps=steps.mixed, num_decode_steps=steps.decode,
             num_decode_rows=steps.decode_rows, num_prefill_tokens=steps.prefill_tokens,
+            num_graph_steps=steps.graph_steps, num_split_steps=steps.split_steps,
             idle_seconds=self.idle_seconds, step_seconds=self.step_seconds))

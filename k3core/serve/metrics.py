@@ -71,6 +71,8 @@ class EngineSnapshot:
     num_decode_steps: int = 0
     num_decode_rows: int = 0
     num_prefill_tokens: int = 0
+    num_graph_steps: int = 0
+    num_split_steps: int = 0
     idle_seconds: float = 0.0       # the loop waited for a command with nothing to run
     step_seconds: float = 0.0       # the loop ran engine steps (launch, and reading the step before)
 
@@ -231,6 +233,10 @@ class _SnapshotCollector:
                  "steps: the mean decode batch).", snap.num_decode_rows)
         yield k3(counter, "k3core_engine_prefill_tokens", "Prefill tokens summed over steps.",
                  snap.num_prefill_tokens)
+        yield k3(counter, "k3core_engine_graph_steps", "Steps whose decodes were replayed from a captured graph.",
+                 snap.num_graph_steps)
+        yield k3(counter, "k3core_engine_split_steps", "Mixed steps split into a graph-replayed decode and an "
+                 "eager forward of the prefill chunks.", snap.num_split_steps)
         yield k3(counter, "k3core_engine_idle_seconds", "Seconds the engine loop waited with nothing to run.",
                  snap.idle_seconds)
         yield k3(counter, "k3core_engine_step_seconds", "Seconds the engine loop spent in steps.",
