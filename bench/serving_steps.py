@@ -108,14 +108,62 @@ def offline_steps(llm, args, prompts: list[str]) -> dict:
     return out
 
 
-def engine_loop(llm, args, prompts: list[str]) -> dict:
-    """The offline workload through the server's engine loop (k3core.serve.engine_thread.EngineThread, in this
-    process, no HTTP): all prompts submitted at once, then closed-loop (args.concurrency in flight, the next prompt
-    submitted when one finishes, as bench.serve_bench's clients do). Duration, tokens/s and the steps' mix of each.
-    The loop closes the engine when it stops: run this after every other section on `llm`."""
+def _closed_loop_runs(loop, tokenizer, args, prompts: list[str], steps_of) -> dict:
+    """The workload through an engine loop (EngineThread or EngineProcess: submit, sinks, flush_cache), all prompts
+    at once and then closed-loop (args.concurrency in flight, the next prompt submitted when one finishes, as
+    bench.serve_bench's clients do): duration, tokens/s and `steps_of()` around each."""
     import threading
 
     from k3core.sampling_params import SamplingParams
+    ids = [tokenizer.encode(p) for p in prompts]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    out = {}
+    for mode in ("all_at_once", "closed_loop"):
+        done, lock = threading.Event(), threading.Lock()
+        state = {"next": 0, "finished": 0, "tokens": 0}
+
+        def submit_next() -> None:
+            with lock:
+                index = state["next"]
+                if index >= len(ids):
+                    return
+                state["next"] += 1
+            loop.submit(f"{mode}-{index}", ids[index], params, sink, time.monotonic())
+
+        def sink(event) -> None:
+            state["tokens"] += len(event.new_token_ids)
+            if event.finished:
+                state["finished"] += 1
+                if state["finished"] == len(ids):
+                    done.set()
+                elif mode == "closed_loop":
+                    submit_next()
+        loop.flush_cache().result(60)
+        time.sleep(0.2)                           # the loop publishes after the flush; read its counters after
+        before = steps_of()
+        start = time.perf_counter()
+        for _ in range(len(ids) if mode == "all_at_once" else min(args.concurrency, len(ids))):
+            submit_next()
+        if not done.wait(600):
+            raise RuntimeError(f"{mode}: the engine loop finished {state['finished']} of {len(ids)} requests")
+        duration = time.perf_counter() - start
+        time.sleep(0.2)
+        after = steps_of()
+        out[mode] = {"duration_s": duration, "output_tok_s": state["tokens"] / duration,
+                     "steps": {k: after[k] - before[k] for k in after}}
+    return out
+
+
+def _snapshot_steps(metrics) -> dict:
+    snap = metrics.snapshot
+    return {"prefill": snap.num_prefill_steps, "mixed": snap.num_mixed_steps, "decode": snap.num_decode_steps,
+            "decode_rows": snap.num_decode_rows, "split_steps": snap.num_split_steps,
+            "idle_s": snap.idle_seconds, "step_s": snap.step_seconds}
+
+
+def engine_loop(llm, args, prompts: list[str]) -> dict:
+    """The offline workload through the server's engine loop (k3core.serve.engine_thread.EngineThread) in this
+    process, no HTTP. The loop closes the engine when it stops: run this after every other section on `llm`."""
     from k3core.serve.engine_thread import EngineThread
     from k3core.serve.metrics import ServerMetrics
     metrics = ServerMetrics(args.model)
@@ -123,44 +171,42 @@ def engine_loop(llm, args, prompts: list[str]) -> dict:
     loop.start()
     if not loop.ready.wait(600) or loop.error is not None:
         raise RuntimeError(f"the engine loop did not start: {loop.error}")
-    ids = [llm.tokenizer.encode(p) for p in prompts]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    out = {}
     try:
-        for mode in ("all_at_once", "closed_loop"):
-            llm_steps = llm.engine.step_counts.copy()
-            done, lock = threading.Event(), threading.Lock()
-            state = {"next": 0, "finished": 0, "tokens": 0}
-
-            def submit_next() -> None:
-                with lock:
-                    index = state["next"]
-                    if index >= len(ids):
-                        return
-                    state["next"] += 1
-                loop.submit(f"{mode}-{index}", ids[index], params, sink, time.monotonic())
-
-            def sink(event) -> None:
-                state["tokens"] += len(event.new_token_ids)
-                if event.finished:
-                    state["finished"] += 1
-                    if state["finished"] == len(ids):
-                        done.set()
-                    elif mode == "closed_loop":
-                        submit_next()
-            loop.flush_cache().result(60)
-            time.sleep(0.1)                           # the loop publishes after the flush; read its seconds after
-            before = metrics.snapshot
-            start = time.perf_counter()
-            for _ in range(len(ids) if mode == "all_at_once" else min(args.concurrency, len(ids))):
-                submit_next()
-            if not done.wait(600):
-                raise RuntimeError(f"{mode}: the engine loop finished {state['finished']} of {len(ids)} requests")
-            duration = time.perf_counter() - start
-            out[mode] = {"duration_s": duration, "output_tok_s": state["tokens"] / duration,
-                         "steps": llm.engine.step_counts.since(llm_steps).as_dict(),
-                         "idle_s": metrics.snapshot.idle_seconds - before.idle_seconds,
-                         "step_s": metrics.snapshot.step_seconds - before.step_seconds}
+        return _closed_loop_runs(loop, llm.tokenizer, args, prompts, lambda: _snapshot_steps(metrics))
     finally:
         loop.stop()
-    return out
+
+
+def _build_in_child(model: str, options: dict):
+    """The engine process's LLM (module level: picklable for spawn), after saying what the child runs on."""
+    import os
+    import sys
+
+    import torch
+
+    from k3core.llm import LLM
+    print(f"engine process {os.getpid()}: cpus {sorted(os.sched_getaffinity(0))}, torch threads "
+          f"{torch.get_num_threads()}, switch interval {sys.getswitchinterval()}", file=sys.stderr, flush=True)
+    return LLM(model, **options)
+
+
+def engine_process_loop(args, common: dict, prompts: list[str]) -> dict:
+    """The offline workload through the server's engine process (k3core.serve.engine_process.EngineProcess,
+    spawned, ZMQ), no HTTP: the process boundary alone."""
+    import functools
+
+    from k3core.config import load_config, resolve_model
+    from k3core.serve.engine_process import EngineProcess
+    from k3core.serve.metrics import ServerMetrics
+    from k3core.tokenizer import load_tokenizer
+    metrics = ServerMetrics(args.model)
+    options = dict(common, cuda_graphs=args.cuda_graphs)
+    loop = EngineProcess(functools.partial(_build_in_child, args.model, options), metrics,
+                         lambda: load_tokenizer(resolve_model(args.model), load_config(args.model)))
+    loop.start()
+    try:
+        if not loop.ready.wait(600) or loop.error is not None:
+            raise RuntimeError(f"the engine process did not start: {loop.error}")
+        return _closed_loop_runs(loop, loop.info.tokenizer, args, prompts, lambda: _snapshot_steps(metrics))
+    finally:
+        loop.stop()

@@ -11,14 +11,16 @@ def test_serving_bench_smoke(tmp_path):
     result = json.loads((tmp_path / "serving-smoke.json").read_text())
     assert status == 0, result["errors"]
     assert set(result) >= {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline",
-                           "offline_steps", "engine_loop", "http", "ratios", "machine"}
+                           "offline_steps", "engine_loop", "engine_process_loop", "http", "ratios",
+                           "machine"}
     steps = result["offline_steps"]
     for split in ("split_on", "split_off"):            # no graphs on the CPU: the split never applies there
         assert sum(steps[split]["steps"].values()) > 0 and steps[split]["graph_steps"] == 0
     assert result["mixed_steps"]["mixed_one_forward_ms"] > 0
-    for mode in ("all_at_once", "closed_loop"):          # the server's loop over the same requests
-        loop = result["engine_loop"][mode]
-        assert loop["steps"]["decode_rows"] == 4 * (4 - 1) and loop["output_tok_s"] > 0
+    for section in ("engine_loop", "engine_process_loop"):  # the server's loop, in this process and its own
+        for mode in ("all_at_once", "closed_loop"):
+            loop = result[section][mode]
+            assert loop["steps"]["decode_rows"] == 4 * (4 - 1) and loop["output_tok_s"] > 0, (section, mode)
     assert result["http"]["streams_n"]["server_steps"]["decode_rows"] == 4 * (4 - 1)
     assert result["offline"]["output_tokens"] == 4 * 4
     assert result["http"]["streams_n"]["output_tokens_per_s"] > 0
