@@ -11,6 +11,7 @@ Sections of `bench.serving` (each returns a dict of milliseconds and shares):
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -141,6 +142,7 @@ def _closed_loop_runs(loop, tokenizer, args, prompts: list[str], steps_of) -> di
         loop.flush_cache().result(60)
         time.sleep(0.2)                           # the loop publishes after the flush; read its counters after
         before = steps_of()
+        print(f"engine loop {mode} starts at {time.monotonic():.3f}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         for _ in range(len(ids) if mode == "all_at_once" else min(args.concurrency, len(ids))):
             submit_next()
@@ -185,6 +187,9 @@ def _build_in_child(model: str, options: dict):
     import torch
 
     from k3core.llm import LLM
+    if os.environ.get("K3CORE_PRINT_JIT"):          # every Triton compile in the child, to find warm-up misses
+        from kernels.triton.jit_watch import print_compiles
+        print_compiles()
     print(f"engine process {os.getpid()}: cpus {sorted(os.sched_getaffinity(0))}, torch threads "
           f"{torch.get_num_threads()}, switch interval {sys.getswitchinterval()}", file=sys.stderr, flush=True)
     return LLM(model, **options)
@@ -207,6 +212,7 @@ def engine_process_loop(args, common: dict, prompts: list[str]) -> dict:
     try:
         if not loop.ready.wait(600) or loop.error is not None:
             raise RuntimeError(f"the engine process did not start: {loop.error}")
+        print(f"engine process ready at {time.monotonic():.3f}", file=sys.stderr, flush=True)
         return _closed_loop_runs(loop, loop.info.tokenizer, args, prompts, lambda: _snapshot_steps(metrics))
     finally:
         loop.stop()

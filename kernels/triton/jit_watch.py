@@ -1,0 +1,50 @@
+"""Which Triton kernels compile (or load from the on-disk cache into this process) and when.
+
+Every new specialisation of a `@triton.jit` kernel (new constexprs, dtypes, or an integer argument changing class:
+1, a multiple of 16, other) is compiled on its first launch in a process, at a cost of milliseconds (disk cache)
+to seconds (a real compile), inside whatever request launched it. The serving warm-up exists to pay those before
+/health says ready; `watch_compiles` makes the misses visible: it records each compile with its time, kernel and
+specialisation, through Triton's `knobs.runtime.jit_cache_hook` (called on every in-process cache miss).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Compile:
+    when: float          # time.monotonic()
+    kernel: str          # module.qualname
+    specialization: str  # Triton's repr of the launch: options and each argument's type and class
+
+
+def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[Compile]:
+    """Start recording compiles into the returned list (and call `on_compile` with each); chains to a hook that
+    was installed before. Without Triton: an empty list that stays empty."""
+    seen: list[Compile] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        return seen
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        item = Compile(time.monotonic(), f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}",
+                       str(kwargs.get("repr", "")))
+        seen.append(item)
+        if on_compile is not None:
+            on_compile(item)
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.runtime.jit_cache_hook = hook
+    return seen
+
+
+def print_compiles() -> list[Compile]:
+    """watch_compiles, each compile also printed to stderr as `triton-jit <monotonic> <kernel> <specialization>`."""
+    return watch_compiles(lambda c: print(f"triton-jit {c.when:.3f} {c.kernel} {c.specialization}", file=sys.stderr,
+                                          flush=True))
