@@ -221,6 +221,7 @@ class EngineThread:
             prompt = [(t * 7 + index) % config.vocab_size for t in range(1, length + 1)]
             ids.append(engine.add_request(prompt, params[index % 2], f"warmup-{index}"))
         engine.run_until_done(ids)
+        self._rehearse(params[0], room)
         engine.flush_cache()                           # start with an empty pool and cache
         self._rebase_counters()
         layout = engine.pool.layout
@@ -233,6 +234,29 @@ class EngineThread:
                               engine.memory_usage().capacity_bytes - getattr(engine, "reserved_bytes", 0),
                               engine.cache is not None)
         self._publish()
+
+    def _rehearse(self, params, room: int) -> None:
+        """A short serving mix after the size classes: prompts admitted while others decode, several to a chunk
+        (some starting, some continuing, lengths off every multiple of 16), split mixed steps with the decode
+        graphs, and a prompt again whose prefix the cache holds. On the H200 the first pass of a 64-stream workload
+        still compiled 7 KDA-state and conv kernels (about 7 s of JIT) after the size classes alone: which
+        specialisation a step needs depends on how its chunks are packed (sequences per chunk, initial states,
+        checkpoints, tensor alignment), and this is the packing serving produces."""
+        engine, config = self.engine, self.llm.config
+        budget = engine.chunked_prefill_tokens
+
+        def prompt(length: int, salt: int) -> list[int]:
+            return [(t * 11 + salt) % config.vocab_size for t in range(1, min(length, room) + 1)]
+        decoding = SamplingParams(**{**vars(params), "max_tokens": 8})
+        ids = [engine.add_request(prompt(17 + i, 100 + i), decoding, f"warmup-decode-{i}") for i in range(4)]
+        engine.step()
+        engine.step()                                  # the short ones decode from here on
+        lengths = [budget // 2 - 4, budget // 2 + 3, budget // 3 + 1, budget + 7, 33, 5]
+        ids += [engine.add_request(prompt(n, 200 + i), params, f"warmup-mixed-{i}") for i, n in enumerate(lengths)]
+        engine.run_until_done(ids)
+        again = [engine.add_request(prompt(budget + 7, 203) + [7, 8, 9], params, "warmup-cached"),
+                 engine.add_request(prompt(21, 300), decoding, "warmup-beside-cached")]
+        engine.run_until_done(again)
 
     def _rebase_counters(self) -> None:
         """The exported engine counters count from here (after a warm-up)."""
