@@ -248,13 +248,16 @@ def http(args, prompts: list[str], out_dir: Path) -> dict:
             ns = argparse.Namespace(max_concurrency=concurrency, seed=0, url=url, timeout=600.0,
                                     output_len=args.output_len, request_rate=float("inf"), dataset="random")
             before = serve_bench.parse_metrics(httpx.get(url + "/metrics").text)
+            cpu_before = _cpu_seconds(server.pid)
             results, duration = asyncio.run(serve_bench.run_all(ns, prompts[:count], model, {}))
+            cpu_after = _cpu_seconds(server.pid)
             after = serve_bench.parse_metrics(httpx.get(url + "/metrics").text)
             summary = serve_bench.summarize(results, duration, before, after)
+            summary["cpu_share"] = {k: (cpu_after[k] - cpu_before.get(k, 0.0)) / duration for k in cpu_after}
             if summary["num_failed"]:
                 raise RuntimeError(f"{summary['num_failed']} requests failed: {summary['errors']}")
             out[name] = {k: summary[k] for k in ("duration_s", "output_tokens_per_s", "ttft", "itl", "tpot",
-                                                 "server_steps")}
+                                                 "server_steps", "cpu_share")}
     finally:
         _signal_group(server.pid, 15)             # the server and its engine process
         try:
@@ -274,6 +277,27 @@ def _server_parts(before: dict, after: dict, client_ttft_s: float) -> dict:
     engine_ttft = grew("k3core_time_to_first_token_seconds_sum") * 1e3
     return {"server_ttft_ms": engine_ttft, "queue_ms": grew("vllm:request_queue_time_seconds_sum") * 1e3,
             "outside_server_ms": client_ttft_s * 1e3 - engine_ttft}
+
+
+def _cpu_seconds(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (the client), the server and the server's children (the
+    engine process), from /proc; {} where /proc is not there. Over a run's wall time: the cores each kept busy."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float | None:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / tick
+    out = {"client": of(os.getpid()), "server": of(server_pid)}
+    try:
+        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        out[f"server child {child}"] = of(int(child))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _signal_group(pid: int, sig: int) -> None:
