@@ -157,3 +157,25 @@ def test_a_batch_message_carries_events_metrics_and_flushes_in_order():
     data = msgspec.msgpack.encode(Batch(messages))
     back = msgspec.msgpack.Decoder(FromEngine).decode(data)
     assert isinstance(back, Batch) and back.messages == messages
+
+
+def test_the_warmup_rehearses_mixed_steps_and_a_cached_prefix():
+    """The engine's warm-up ends with a serving mix (k3core.serve.engine_thread.EngineThread._rehearse): prompts
+    admitted beside decodes, several to a chunk, and a prompt whose prefix the cache holds. The kernel
+    specialisations a first workload met on the H200 came from that packing; check the warm-up produces it."""
+    import functools
+
+    from k3core.serve.engine_thread import EngineThread
+    from k3core.serve.launch import _build_llm
+    from k3core.serve.metrics import ServerMetrics
+    args = ServerArgs(model=MODEL, seed=0, memory_bytes=32 << 20, cpu_threads=1, **ENGINE)
+    engine = EngineThread(functools.partial(_build_llm, args), ServerMetrics(args.model_name))
+    engine.start()
+    try:
+        assert engine.ready.wait(120) and engine.error is None
+        counts = engine.engine.step_counts                 # cumulative: the warm-up's own steps
+        assert counts.mixed >= 2, counts
+        assert engine.engine.cache.stats.hit_tokens > 0, "the rehearsal's repeated prompt found no cached prefix"
+        assert engine.metrics.snapshot.num_mixed_steps == 0      # what /metrics counts starts after the warm-up
+    finally:
+        engine.stop()
