@@ -40,8 +40,8 @@ def build_rank_llm(args: ServerArgs, rank: int, setup: DistSetup):
     from k3core.llm import LLM
     plan = args.plan()
     device = init_rank(rank, plan.world_size, setup)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    # ranks on the CPU share its cores; beside a GPU more intra-op threads only spin (ServerArgs.resolved_cpu_threads)
+    torch.set_num_threads(1 if device.type == "cpu" else args.resolved_cpu_threads())
     return LLM(args.model, backend=args.backend, device=str(device), dtype=args.resolved_dtype(), seed=args.seed,
                plan=plan, rank=rank, expert_format=args.expert_format, **args.engine_options())
 
