@@ -46,5 +46,6 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
 
 def print_compiles() -> list[Compile]:
     """watch_compiles, each compile also printed to stderr as `triton-jit <monotonic> <kernel> <specialization>`."""
-    return watch_compiles(lambda c: print(f"triton-jit {c.when:.3f} {c.kernel} {c.specialization}", file=sys.stderr,
-                                          flush=True))
+    def show(c: Compile) -> None:        # one line each: Triton's repr spans lines
+        print(f"triton-jit {c.when:.3f} {c.kernel} {' '.join(c.specialization.split())}", file=sys.stderr, flush=True)
+    return watch_compiles(show)

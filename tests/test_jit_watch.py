@@ -1,0 +1,31 @@
+"""kernels.triton.jit_watch records Triton compiles through knobs.runtime.jit_cache_hook, chained to any hook
+installed before, and tools.jit_misses lists the ones after a marker line."""
+from __future__ import annotations
+
+import pytest
+
+from kernels.triton import jit_watch
+from tools import jit_misses
+
+
+def test_hook_records_chains_and_prints_one_line(monkeypatch, capsys):
+    knobs = pytest.importorskip("triton").knobs
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **k: calls.append(k) or False)
+    seen = jit_watch.print_compiles()
+
+    class Fn:
+        module, name = "kernels.triton.x", "k"
+    assert knobs.runtime.jit_cache_hook(key="k", repr="k[num_warps=4](a: i32,\n b: fp32)", fn=Fn()) is False
+    assert [c.kernel for c in seen] == ["kernels.triton.x.k"] and len(calls) == 1       # the old hook still ran
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("triton-jit ") and line.endswith("k[num_warps=4](a: i32, b: fp32)") and "\n" not in line
+
+
+def test_jit_misses_counts_compiles_after_the_marker(tmp_path, capsys):
+    log = tmp_path / "log"
+    log.write_text("triton-jit 1.000 m.a a[](x)\nengine process ready at 2.000\n"
+                   "triton-jit 3.000 m.b b[](y)\ntriton-jit 4.000 m.b b[](z)\n")
+    assert jit_misses.main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "3 compiles in all" in out and "2 compiles after" in out and "   2 m.b" in out
