@@ -280,16 +280,9 @@ def _server_parts(before: dict, after: dict, client_ttft_s: float) -> dict:
 
 
 def _cpu_seconds(server_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of this process (the client), the server and the server's children (the
-    engine process), from /proc; {} where /proc is not there. Over a run's wall time: the cores each kept busy."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def of(pid: int) -> float | None:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / tick
+    """CPU seconds so far of this process (the client), the server and the server's children (the engine process);
+    {} where /proc is not there. Over a run's wall time: the cores each kept busy."""
+    of = serving_steps.cpu_seconds
     out = {"client": of(os.getpid()), "server": of(server_pid)}
     try:
         children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()

@@ -109,6 +109,26 @@ def offline_steps(llm, args, prompts: list[str]) -> dict:
     return out
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far, from /proc (None where it cannot be read)."""
+    import os
+    from pathlib import Path
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(loop) -> dict[str, float]:
+    """CPU seconds of this process and, for an EngineProcess, of the engine process."""
+    import os
+    out = {"this process": cpu_seconds(os.getpid())}
+    if getattr(loop, "pid", None) is not None:
+        out["engine process"] = cpu_seconds(loop.pid)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def _closed_loop_runs(loop, tokenizer, args, prompts: list[str], steps_of) -> dict:
     """The workload through an engine loop (EngineThread or EngineProcess: submit, sinks, flush_cache), all prompts
     at once and then closed-loop (args.concurrency in flight, the next prompt submitted when one finishes, as
@@ -141,7 +161,7 @@ def _closed_loop_runs(loop, tokenizer, args, prompts: list[str], steps_of) -> di
                     submit_next()
         loop.flush_cache().result(60)
         time.sleep(0.2)                           # the loop publishes after the flush; read its counters after
-        before = steps_of()
+        before, cpu_before = steps_of(), _cpu_of(loop)
         print(f"engine loop {mode} starts at {time.monotonic():.3f}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         for _ in range(len(ids) if mode == "all_at_once" else min(args.concurrency, len(ids))):
@@ -150,9 +170,11 @@ def _closed_loop_runs(loop, tokenizer, args, prompts: list[str], steps_of) -> di
             raise RuntimeError(f"{mode}: the engine loop finished {state['finished']} of {len(ids)} requests")
         duration = time.perf_counter() - start
         time.sleep(0.2)
+        cpu_after = _cpu_of(loop)
         after = steps_of()
         out[mode] = {"duration_s": duration, "output_tok_s": state["tokens"] / duration,
-                     "steps": {k: after[k] - before[k] for k in after}}
+                     "steps": {k: after[k] - before[k] for k in after},
+                     "cpu_share": {k: (cpu_after[k] - cpu_before.get(k, 0.0)) / duration for k in cpu_after}}
     return out
 
 

@@ -179,3 +179,15 @@ def test_the_warmup_rehearses_mixed_steps_and_a_cached_prefix():
         assert engine.metrics.snapshot.num_mixed_steps == 0      # what /metrics counts starts after the warm-up
     finally:
         engine.stop()
+
+
+def test_engine_flags_reach_the_engine_options_and_threads_default_by_device():
+    import os
+
+    from k3core.serve.args import GPU_ENGINE_CPU_THREADS, parse_args
+    options = parse_args(["--disable-mixed-step-split", "--no-http-warmup"]).engine_options()
+    assert options["split_mixed_steps"] is False and parse_args([]).engine_options()["split_mixed_steps"] is True
+    # beside a GPU the engine's torch intra-op pool is one thread (more only spin); on the CPU all cores but one
+    assert ServerArgs(model=MODEL, device="cuda").resolved_cpu_threads() == GPU_ENGINE_CPU_THREADS == 1
+    assert ServerArgs(model=MODEL, device="cpu").resolved_cpu_threads() == max(1, (os.cpu_count() or 2) - 1)
+    assert ServerArgs(model=MODEL, device="cuda", cpu_threads=3).resolved_cpu_threads() == 3

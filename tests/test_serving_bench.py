@@ -21,6 +21,8 @@ def test_serving_bench_smoke(tmp_path):
         for mode in ("all_at_once", "closed_loop"):
             loop = result[section][mode]
             assert loop["steps"]["decode_rows"] == 4 * (4 - 1) and loop["output_tok_s"] > 0, (section, mode)
+            assert loop["cpu_share"]["this process"] >= 0
+    assert "engine process" in result["engine_process_loop"]["closed_loop"]["cpu_share"]
     assert result["http"]["streams_n"]["server_steps"]["decode_rows"] == 4 * (4 - 1)
     assert result["offline"]["output_tokens"] == 4 * 4
     assert result["http"]["streams_n"]["output_tokens_per_s"] > 0

@@ -51,6 +51,7 @@ class ServerArgs:
     checkpoint_interval: int | None = None   # None: from the state size (EngineOptions)
     disable_prefix_cache: bool = False
     disable_overlap: bool = False
+    disable_mixed_step_split: bool = False    # one forward over a step's prefill chunks and decodes (debugging)
     engine_in_process: bool = False
     no_http_warmup: bool = False              # /health turns 200 without warm-up requests through the HTTP path
     cuda_graphs: bool = False
@@ -75,7 +76,7 @@ class ServerArgs:
         return dict(prefix_cache=not self.disable_prefix_cache, chunked_prefill_tokens=self.chunked_prefill_tokens,
                     max_running_requests=self.max_running_requests, page_size=self.page_size,
                     checkpoint_interval=self.checkpoint_interval, memory_bytes=self.memory_bytes,
-                    overlap=not self.disable_overlap,
+                    overlap=not self.disable_overlap, split_mixed_steps=not self.disable_mixed_step_split,
                     memory_fraction=self.memory_fraction, cuda_graphs=self.cuda_graphs,
                     graph_batch_sizes=parse_batch_sizes(self.graph_batch_sizes),
                     graph_max_context=self.graph_max_context)
@@ -155,6 +156,9 @@ _HELP = {
                            "pages whose MLA bytes reach one KDA state slot, so checkpoints never outweigh the KV)",
     "disable_prefix_cache": "turn the radix prefix cache off",
     "disable_overlap": "run each step's host work after its GPU work instead of beside the next step's (debugging)",
+    "disable_mixed_step_split": "with --cuda-graphs, run a step of prefill chunks and decodes as one eager forward "
+                                "instead of the decodes replayed beside an eager forward of the chunks (debugging; "
+                                "the same tokens, slower)",
     "engine_in_process": "run the engine on a thread of the server process instead of a process of its own "
                          "(debugging; the HTTP side then shares the engine's GIL)",
     "no_http_warmup": "say ready (/health 200) as soon as the engine has warmed up, without first sending warm-up "
