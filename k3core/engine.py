@@ -142,9 +142,7 @@ class Engine:
         if self.config.eos_token_id is not None:
             self.eos_token_ids.add(self.config.eos_token_id)
         self.sampler = Sampler(self.config.vocab_size, llm.device, self.eos_token_ids, llm.ops)
-        self.num_steps = 0
-        self.step_counts = StepCounts()                   # the steps' mix (k3core.step_counts)
-        self.num_graph_steps = 0                          # steps replayed from a captured decode graph
+        self.step_counts = StepCounts()                   # the steps run, by kind (k3core.step_counts)
         self.constraints = None                           # structured outputs' matchers, from the first such request
         self.num_resolved_steps = 0                       # overlapped steps that read the step in flight first
         self.closed = False
@@ -204,6 +202,15 @@ class Engine:
         self.quarantine.cleared(request_id)
         self._close_text(request)
         return True
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_counts.num_steps
+
+    @property
+    def num_graph_steps(self) -> int:
+        """Steps whose decodes were replayed from a captured decode graph (whole or split)."""
+        return self.step_counts.graph_steps
 
     @property
     def has_work(self) -> bool:
@@ -306,7 +313,6 @@ class Engine:
         if not chunks:
             return None
         assert len({id(c.request) for c in chunks}) == len(chunks), "the scheduler gave a request two chunks"
-        self.num_steps += 1
         self.step_counts.count(chunks)
         pool = self.pool
         work, positions, rows, flat = [], [], [], 0
@@ -400,13 +406,11 @@ class Engine:
         if graph is not None and not graph.accepts(work) and self.options.split_mixed_steps:
             split = split_mixed(work, graph, future)
             if split is not None:
-                self.num_graph_steps += 1
                 self.step_counts.graph_steps += 1
                 self.step_counts.split_steps += 1
                 return run_split(split, work, future, graph, self.runner, self.pool)
         if graph is None or not graph.accepts(work):
             return self.runner.forward(work, self.pool, future)
-        self.num_graph_steps += 1
         self.step_counts.graph_steps += 1
         logits = graph.run(work, future)                          # [len(work), V], valid until the next replay
         wanted = [row for row, item in enumerate(work) if item.want_logits != "none"]

@@ -95,9 +95,9 @@ class ServerArgs:
 
     def resolved_cpu_threads(self) -> int:
         """Torch intra-op threads of the engine: on the CPU all cores but one; beside a GPU, GPU_ENGINE_CPU_THREADS
-        (its host tensors are small batch tables, where a pool of spinning OpenMP threads only competes with the
-        engine's own thread and the HTTP process: on the H200's 16 cores the engine process kept 8.9 cores busy over
-        a 64-stream run and its steps took 1.3x their time without HTTP)."""
+        (its host tensors are small batch tables, where a pool of spinning OpenMP threads can only compete with the
+        engine's own thread and the HTTP process; on the H200's 16 cores the engine process with 16 threads kept 8.9
+        cores busy over a 64-stream run. Whether one thread makes those steps faster has not been measured.)"""
         if self.cpu_threads is not None:
             return self.cpu_threads
         if self.resolved_device() != "cpu":

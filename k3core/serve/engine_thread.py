@@ -332,13 +332,12 @@ class EngineThread:
             if tracked is None:
                 continue
             request = self.engine.requests[output.request_id]
-            if not tracked.observe:
-                pass
-            elif tracked.last_token_time is None:
-                self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
-                self.metrics.observe_tokens(len(output.new_token_ids), None)
-            else:
-                self.metrics.observe_tokens(len(output.new_token_ids), now - tracked.last_token_time)
+            if tracked.observe:
+                if tracked.last_token_time is None:
+                    self.metrics.observe_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
+                    self.metrics.observe_tokens(len(output.new_token_ids), None)
+                else:
+                    self.metrics.observe_tokens(len(output.new_token_ids), now - tracked.last_token_time)
             tracked.last_token_time = now
             tracked.num_text_chars += len(output.new_text)
             tracked.num_generated += len(output.new_token_ids)
