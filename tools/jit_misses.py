@@ -1,7 +1,7 @@
 """Summarise `triton-jit` lines (kernels.triton.jit_watch.print_compiles) of a log: the compiles after a marker
 line, by kernel, with their specialisations.
 
-    python -m tools.jit_misses LOG [--after "engine process ready"]
+    python -m tools.jit_misses LOG [--after "engine process ready"]    (marker lines end in "at <monotonic>")
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections import defaultdict
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.jit_misses")
     parser.add_argument("log")
-    parser.add_argument("--after", default="engine process ready at")
+    parser.add_argument("--after", default="engine process ready", help="the marker line's text before \" at\"")
     args = parser.parse_args(argv)
     marks, compiles = [], []
     for line in open(args.log, errors="replace"):
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
             found = re.search(r"(.*) at (\d+\.\d+)$", line.strip())
             if found:
                 marks.append((float(found.group(2)), found.group(1)))
-    start = next((t for t, name in marks if args.after.startswith(name) or name.startswith(args.after.rsplit(" at", 1)[0])), None)
+    start = next((t for t, name in marks if name.startswith(args.after)), None)
     print(f"{len(compiles)} compiles in all; marks: {marks}")
     if start is None:
         return 1
