@@ -357,6 +357,16 @@ def ratios(result: dict, args) -> dict:
     if web and ceil and "stream_1" in web:
         tpot = web["stream_1"]["tpot"]["median_ms"]
         r["http 1 stream decode tok/s / graph replay"] = ceil["decode_step_ms_bs1"] / tpot
+    threads = result.get("offline_threads", {})
+    if threads:
+        r[f"offline at 1 torch thread / at {threads['default_threads']} (time)"] = (
+            threads["duration_s_1_thread"] / threads["duration_s_default_threads"])
+    idle = result.get("idle_penalty", {}).get("rows", [])
+    if len(idle) > 1:
+        for name in ("ttft_ms", "gpu_ms", "host_ms"):
+            if idle[0][name] == idle[0][name]:                       # not NaN (no GPU)
+                r[f"idle: {name[:-3]} after {idle[-1]['pause_s']:g} s idle / right away"] = (idle[-1][name]
+                                                                                            / idle[0][name])
     if web and "first_request_ttft_ms" in web:
         r["first request TTFT / repeat"] = web["first_request_ttft_ms"] / web["repeat_ttft_ms"]
     return r
@@ -381,7 +391,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {value:.3f} | {target} |")
     lines += ["", "Raw numbers (ms unless named otherwise):", "", "```", json.dumps(
         {k: result.get(k) for k in ("ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline",
-                                    "offline_steps", "engine_loop", "engine_process_loop", "http", "errors")},
+                                    "offline_steps", "offline_threads", "idle_penalty", "engine_loop",
+                                    "engine_process_loop", "http", "errors")},
         indent=1, default=str), "```", ""]
     return "\n".join(lines)
 
@@ -398,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="chunked_prefill_tokens (default: the engine's)")
     parser.add_argument("--memory-fraction", type=float, default=0.3)
     parser.add_argument("--sections", default="ceiling,replay_busy,mixed_steps,engine_steps,lone_prompt,offline,"
-                        "offline_steps,engine_loop,engine_process_loop,http")
+                        "offline_steps,offline_threads,idle_penalty,engine_loop,engine_process_loop,http")
     parser.add_argument("--server-args", default="", help="more flags for the http section's server, e.g. "
                         "\"--engine-in-process\" (space-separated)")
     parser.add_argument("--out", default="bench/results")
@@ -442,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
 
     if sections & {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline", "offline_steps",
-                   "engine_loop"}:
+                   "offline_threads", "idle_penalty", "engine_loop"}:
         llm = LLM(args.model, cuda_graphs=args.cuda_graphs, **common)
         section("ceiling", ceiling, llm, args, device)
         section("replay_busy", serving_steps.replay_busy, llm, args, device)
@@ -457,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
             del cold
         section("offline", offline, llm, args, prompts)
         section("offline_steps", serving_steps.offline_steps, llm, args, prompts)
+        section("offline_threads", serving_steps.offline_threads, llm, args, prompts)
+        section("idle_penalty", serving_steps.idle_penalty, llm, args, device, prompts)
         section("engine_loop", serving_steps.engine_loop, llm, args, prompts)     # closes llm's engine: last
         llm.engine.close()
         del llm

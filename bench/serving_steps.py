@@ -7,7 +7,12 @@ Sections of `bench.serving` (each returns a dict of milliseconds and shares):
 * replay_busy: torch.profiler's kernel time over wall time of back-to-back graph replays at BS=1 and BS=N: the
   busy share no engine step can exceed, since the replayed graph's own gaps between kernels are inside it;
 * offline_steps: the offline workload's steps counted by kind (pure prefill, pure decode, mixed), with
-  split_mixed_steps on and off, and the duration of each run.
+  split_mixed_steps on and off, and the duration of each run;
+* offline_threads: the offline workload with this process's torch intra-op threads at 1 and at one per core,
+  alternating: whether a pool of OpenMP threads slows the host side of the engine's steps;
+* idle_penalty: a 1K prompt's TTFT through LLM.generate, a fixed GPU matmul burst and a fixed Python loop, each
+  right after a pause of 0 to 5 s: what an idle machine costs the next request, and whether the GPU or the host
+  pays it.
 """
 from __future__ import annotations
 
@@ -107,6 +112,74 @@ def offline_steps(llm, args, prompts: list[str]) -> dict:
     finally:
         engine.options.split_mixed_steps = True
     return out
+
+
+def offline_threads(llm, args, prompts: list[str]) -> dict:
+    """LLM.generate on the workload at 1 intra-op thread and at one per core (torch's default), twice each in turn
+    (the fastest of each kept); the process's setting restored after."""
+    import os
+
+    from k3core.sampling_params import SamplingParams
+    before, default = torch.get_num_threads(), max(2, os.cpu_count() or 2)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    runs: dict[int, list[float]] = {1: [], default: []}
+    try:
+        for threads in (1, default) * (1 if args.smoke else 2):
+            torch.set_num_threads(threads)
+            llm.flush_cache()
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            runs[threads].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return {"default_threads": default, "duration_s_1_thread": min(runs[1]),
+            "duration_s_default_threads": min(runs[default]), "runs": {str(k): v for k, v in runs.items()}}
+
+
+def idle_penalty(llm, args, device, prompts: list[str]) -> dict:
+    """Each measurement right after its own pause (the cache flushed and the device idle before the pause): a 1K
+    prompt's TTFT (LLM.generate, one token), 16 bf16 4096^3 matmuls timed by CUDA events (GPU only) and a fixed
+    Python loop (host only). ms per pause; the first pause-0 row warms."""
+    from k3core.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    on_gpu = device.type == "cuda"
+    a = torch.randn(4096 if on_gpu else 256, 4096 if on_gpu else 256, device=device,
+                    dtype=torch.bfloat16 if on_gpu else torch.float32)
+
+    def gpu_ms() -> float:
+        if not on_gpu:
+            return float("nan")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(16):
+            a @ a
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def host_ms() -> float:
+        start = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        return (time.perf_counter() - start) * 1e3
+
+    def ttft_ms(prompt: str) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        synchronize(device)
+        return (time.perf_counter() - start) * 1e3
+
+    pauses = (0.0, 0.0, 0.05, 0.2) if args.smoke else (0.0, 0.0, 0.2, 1.0, 5.0)
+    rows = []
+    for i, pause in enumerate(pauses):
+        row = {"pause_s": pause}
+        for name, fn in (("ttft_ms", lambda: ttft_ms(prompts[i % len(prompts)])), ("gpu_ms", gpu_ms),
+                         ("host_ms", host_ms)):
+            llm.flush_cache()
+            synchronize(device)
+            time.sleep(pause)
+            row[name] = fn()
+        rows.append(row)
+    return {"rows": rows[1:]}
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -29,3 +29,21 @@ def test_jit_misses_counts_compiles_after_the_marker(tmp_path, capsys):
     assert jit_misses.main([str(log)]) == 0
     out = capsys.readouterr().out
     assert "3 compiles in all" in out and "2 compiles after" in out and "   2 m.b" in out
+
+
+def test_specialisation_names_every_argument():
+    """Triton 3.6's repr stops after the first argument; the description walks key[0] (type, class) per parameter,
+    which is what tells two compiles of one kernel apart."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):
+        pass
+
+    class Fn:
+        module, name, jit_function = "m", "kernel", kernel
+    key = ((("*fp32", "D"), ("i32", ""), ("constexpr", 64)), "options-string")
+    text = jit_watch._describe(Fn(), key, "kernel[num_warps=4, num_stages=2](x_ptr: (")
+    assert text == "kernel[num_warps=4, num_stages=2](x_ptr: *fp32 D, n: i32, BLOCK=64)"
+    assert jit_watch._describe(object(), "k", "a[](x:\n y)") == "a[](x: y)"      # another shape: Triton's repr

@@ -11,7 +11,7 @@ def test_serving_bench_smoke(tmp_path):
     result = json.loads((tmp_path / "serving-smoke.json").read_text())
     assert status == 0, result["errors"]
     assert set(result) >= {"ceiling", "replay_busy", "mixed_steps", "engine_steps", "lone_prompt", "offline",
-                           "offline_steps", "engine_loop", "engine_process_loop", "http", "ratios",
+                           "offline_steps", "offline_threads", "idle_penalty", "engine_loop", "engine_process_loop", "http", "ratios",
                            "machine"}
     steps = result["offline_steps"]
     for split in ("split_on", "split_off"):            # no graphs on the CPU: the split never applies there
@@ -25,6 +25,11 @@ def test_serving_bench_smoke(tmp_path):
     assert "engine process" in result["engine_process_loop"]["closed_loop"]["cpu_share"]
     assert result["http"]["streams_n"]["server_steps"]["decode_rows"] == 4 * (4 - 1)
     assert result["offline"]["output_tokens"] == 4 * 4
+    threads = result["offline_threads"]
+    assert threads["duration_s_1_thread"] > 0 and threads["duration_s_default_threads"] > 0
+    idle = result["idle_penalty"]["rows"]
+    assert [row["pause_s"] for row in idle] == [0.0, 0.05, 0.2] and all(row["ttft_ms"] > 0 for row in idle)
+    assert any(name.startswith("idle: ttft after") for name in result["ratios"])
     assert result["http"]["streams_n"]["output_tokens_per_s"] > 0
     assert "offline output tok/s / ceiling" in result["ratios"]
     assert (tmp_path / "serving-smoke.md").read_text().startswith("# Serving against its ceilings")

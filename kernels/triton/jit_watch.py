@@ -18,7 +18,7 @@ from typing import Callable
 class Compile:
     when: float          # time.monotonic()
     kernel: str          # module.qualname
-    specialization: str  # Triton's repr of the launch: options and each argument's type and class
+    specialization: str  # each argument's type and class (a multiple of 16: "D"), constexprs with their values
 
 
 def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[Compile]:
@@ -34,7 +34,7 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
         item = Compile(time.monotonic(), f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}",
-                       str(kwargs.get("repr", "")))
+                       _describe(fn, kwargs.get("key"), kwargs.get("repr", "")))
         seen.append(item)
         if on_compile is not None:
             on_compile(item)
@@ -44,8 +44,27 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     return seen
 
 
+def _describe(fn, key, triton_repr) -> str:
+    """The launch's specialisation, one `name: type class` per argument. Triton 3.6's own `repr` pairs the
+    parameters with the characters of its options string (`key[1]`) and so stops after the first argument; the
+    per-argument (type, class) pairs are `key[0]`. Triton's repr where the key has another shape."""
+    jit_function = getattr(fn, "jit_function", None)
+    names = [p.name for p in getattr(jit_function, "params", ())] or getattr(jit_function, "arg_names", None)
+    if not names or not isinstance(key, tuple) or not key or not isinstance(key[0], tuple):
+        return " ".join(str(triton_repr).split())
+    parts = []
+    for name, entry in zip(names, key[0]):
+        kind, value = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+        if kind == "constexpr":
+            parts.append(f"{name}={value}")
+        else:
+            parts.append(f"{name}: {kind}{f' {value}' if value not in (None, '') else ''}")
+    options = str(triton_repr).split("](", 1)[0] + "]" if "](" in str(triton_repr) else ""
+    return f"{options}({', '.join(parts)})"
+
+
 def print_compiles() -> list[Compile]:
     """watch_compiles, each compile also printed to stderr as `triton-jit <monotonic> <kernel> <specialization>`."""
-    def show(c: Compile) -> None:        # one line each: Triton's repr spans lines
+    def show(c: Compile) -> None:        # one line each
         print(f"triton-jit {c.when:.3f} {c.kernel} {' '.join(c.specialization.split())}", file=sys.stderr, flush=True)
     return watch_compiles(show)
