@@ -67,14 +67,18 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 class LLM:
     def __init__(self, model: str = "k3-demo", backend: str = "torch", device: str = "cpu",
                  dtype: str | torch.dtype = "float32", seed: int = 0, plan: "ParallelPlan | None" = None,
-                 rank: int = 0, expert_format: str | None = None, **engine_options):
+                 rank: int = 0, expert_format: str | None = None, cpu_threads: int | None = None,
+                 **engine_options):
         from k3core.parallel.comm import SINGLE, build_communicator
         from k3core.parallel.plan import ParallelPlan
         from k3core.parallel.runner import ModelRunner
         from k3core.parallel.shard import shard_model
 
+        from k3core.host_threads import set_engine_threads
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
+        # torch intra-op threads: 1 beside a GPU unless cpu_threads or OMP_NUM_THREADS says otherwise (process-wide)
+        self.cpu_threads = set_engine_threads(self.device, cpu_threads)
         self.model_name = str(model)
         model = resolve_model(model)                 # a shipped checkpoint's name -> its directory
         self.config: ModelConfig = load_config(model)

@@ -32,18 +32,16 @@ def test_jit_misses_counts_compiles_after_the_marker(tmp_path, capsys):
 
 
 def test_specialisation_names_every_argument():
-    """Triton 3.6's repr stops after the first argument; the description walks key[0] (type, class) per parameter,
-    which is what tells two compiles of one kernel apart."""
-    triton = pytest.importorskip("triton")
+    """Triton 3.6's repr stops after the first argument; the description reads the specialisation data Triton
+    itself serialises (here made by Triton's own serialiser), which is what tells two compiles of one kernel apart."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import serialize_specialization_data
     import triton.language as tl
-
-    @triton.jit
-    def kernel(x_ptr, n, BLOCK: tl.constexpr):
-        pass
-
-    class Fn:
-        module, name, jit_function = "m", "kernel", kernel
-    key = ((("*fp32", "D"), ("i32", ""), ("constexpr", 64)), "options-string")
-    text = jit_watch._describe(Fn(), key, "kernel[num_warps=4, num_stages=2](x_ptr: (")
-    assert text == "kernel[num_warps=4, num_stages=2](x_ptr: *fp32 D, n: i32, BLOCK=64)"
-    assert jit_watch._describe(object(), "k", "a[](x:\n y)") == "a[](x: y)"      # another shape: Triton's repr
+    data = serialize_specialization_data(
+        "m.kernel", {"x_ptr": "*fp32", "n": "i32", "m": "i32", "BLOCK": "constexpr"},
+        {(2,): 1, (3,): tl.constexpr(64)}, {(0,): [["tt.divisibility", 16]]}, SimpleNamespace(num_warps=4), "key")
+    text = jit_watch._describe(None, {"specialization_data": data}, "kernel[num_warps=4, num_stages=2](x_ptr: (")
+    assert text == "kernel[num_warps=4, num_stages=2](x_ptr: *fp32 D, n: i32, m=1, BLOCK=64)"
+    assert jit_watch._describe(None, None, "a[](x:\n y)") == "a[](x: y)"      # nothing to read: Triton's repr

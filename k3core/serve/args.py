@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODEL = "k3-demo"           # the shipped trained demo model (k3core/presets/k3-demo)
-GPU_ENGINE_CPU_THREADS = 1          # torch intra-op threads of an engine whose model runs on a GPU
+from k3core.host_threads import GPU_ENGINE_CPU_THREADS, default_engine_threads  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -94,16 +94,11 @@ class ServerArgs:
         return "cuda"
 
     def resolved_cpu_threads(self) -> int:
-        """Torch intra-op threads of the engine: on the CPU all cores but one; beside a GPU, GPU_ENGINE_CPU_THREADS
-        (its host tensors are small batch tables, where a pool of spinning OpenMP threads can only compete with the
-        engine's own thread and the HTTP process; on the H200's 16 cores the engine process with 16 threads kept 8.9
-        cores busy over a 64-stream run. Whether one thread makes those steps faster has not been measured.)"""
+        """Torch intra-op threads of the engine: --cpu-threads, else k3core.host_threads' default (1 beside a GPU,
+        all cores but one on the CPU; why and what was measured is there)."""
         if self.cpu_threads is not None:
             return self.cpu_threads
-        if self.resolved_device() != "cpu":
-            return GPU_ENGINE_CPU_THREADS
-        import os
-        return max(1, (os.cpu_count() or 2) - 1)
+        return default_engine_threads(self.resolved_device())
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -34,13 +34,11 @@ EXIT_GRACE_S = 5.0             # after such a failure, /health answers 503 this 
 
 def _build_llm(args: ServerArgs):
     from k3core.llm import LLM
-    import torch
     # Oversubscribed intra-op threads spin against the engine's own thread, the HTTP side and anything else on the
-    # box: on 2 busy cores, 2 threads decoded k3-tiny >10x slower than 1; beside a GPU (ServerArgs.resolved_cpu_threads)
-    # the host work is small tables, where 16 threads kept 8.9 of the H200 machine's cores busy (effect unmeasured).
-    torch.set_num_threads(args.resolved_cpu_threads())
+    # box: on 2 busy cores, 2 threads decoded k3-tiny >10x slower than 1; beside a GPU see k3core.host_threads
     return LLM(args.model, backend=args.backend, device=args.resolved_device(), dtype=args.resolved_dtype(),
-               seed=args.seed, expert_format=args.expert_format, **args.engine_options())
+               seed=args.seed, expert_format=args.expert_format, cpu_threads=args.resolved_cpu_threads(),
+               **args.engine_options())
 
 
 def _load_tokenizer(model: str):

@@ -35,15 +35,14 @@ def global_rank(args: ServerArgs, local_rank: int) -> int:
 
 def build_rank_llm(args: ServerArgs, rank: int, setup: DistSetup):
     """Join the world and build this rank's shard of the model."""
-    import torch
-
     from k3core.llm import LLM
     plan = args.plan()
     device = init_rank(rank, plan.world_size, setup)
-    # ranks on the CPU share its cores; beside a GPU more intra-op threads only spin (ServerArgs.resolved_cpu_threads)
-    torch.set_num_threads(1 if device.type == "cpu" else args.resolved_cpu_threads())
+    # ranks on the CPU share its cores; beside a GPU more intra-op threads only spin (k3core.host_threads)
+    threads = 1 if device.type == "cpu" else args.resolved_cpu_threads()
     return LLM(args.model, backend=args.backend, device=str(device), dtype=args.resolved_dtype(), seed=args.seed,
-               plan=plan, rank=rank, expert_format=args.expert_format, **args.engine_options())
+               plan=plan, rank=rank, expert_format=args.expert_format, cpu_threads=threads,
+               **args.engine_options())
 
 
 def _follower_main(args: ServerArgs, local_rank: int, setup: DistSetup, beat: Connection | None = None) -> None:

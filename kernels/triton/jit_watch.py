@@ -34,7 +34,7 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
         item = Compile(time.monotonic(), f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}",
-                       _describe(fn, kwargs.get("key"), kwargs.get("repr", "")))
+                       _describe(fn, kwargs.get("compile"), kwargs.get("repr", "")))
         seen.append(item)
         if on_compile is not None:
             on_compile(item)
@@ -44,23 +44,29 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     return seen
 
 
-def _describe(fn, key, triton_repr) -> str:
-    """The launch's specialisation, one `name: type class` per argument. Triton 3.6's own `repr` pairs the
-    parameters with the characters of its options string (`key[1]`) and so stops after the first argument; the
-    per-argument (type, class) pairs are `key[0]`. Triton's repr where the key has another shape."""
-    jit_function = getattr(fn, "jit_function", None)
-    names = [p.name for p in getattr(jit_function, "params", ())] or getattr(jit_function, "arg_names", None)
-    if not names or not isinstance(key, tuple) or not key or not isinstance(key[0], tuple):
+def _describe(fn, compile_args, triton_repr) -> str:
+    """The launch's specialisation, one entry per argument: `name: type` with ` D` where Triton specialised it as a
+    multiple of 16, `name=value` for a constexpr or an integer specialised to its value (1). Triton 3.6's own repr
+    pairs the parameters with the characters of a string and stops after the first argument; this reads the
+    signature, constants and attributes from `compile["specialization_data"]` instead (Triton's repr where there is
+    none)."""
+    import json
+    try:
+        data = json.loads(compile_args["specialization_data"])
+        constants = {tuple(k): v for k, v in zip(data["constant_keys"], data["constant_vals"])}
+        attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+        parts = []
+        for i, (name, kind) in enumerate(data["signature"].items()):
+            if (i,) in constants:
+                value = constants[(i,)]
+                parts.append(f"{name}={value['constexpr'] if isinstance(value, dict) else value}")
+            else:
+                divisible = any(a[0] == "tt.divisibility" for a in attrs.get((i,), []) if isinstance(a, list))
+                parts.append(f"{name}: {kind}{' D' if divisible else ''}")
+        options = str(triton_repr).split("](", 1)[0] + "]" if "](" in str(triton_repr) else data.get("name", "")
+        return f"{options}({', '.join(parts)})"
+    except (KeyError, TypeError, ValueError, AttributeError):
         return " ".join(str(triton_repr).split())
-    parts = []
-    for name, entry in zip(names, key[0]):
-        kind, value = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
-        if kind == "constexpr":
-            parts.append(f"{name}={value}")
-        else:
-            parts.append(f"{name}: {kind}{f' {value}' if value not in (None, '') else ''}")
-    options = str(triton_repr).split("](", 1)[0] + "]" if "](" in str(triton_repr) else ""
-    return f"{options}({', '.join(parts)})"
 
 
 def print_compiles() -> list[Compile]:
