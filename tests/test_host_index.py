@@ -24,3 +24,16 @@ def test_forward_batch_carries_host_copies_of_cu_seqlens_and_slots():
     assert torch.equal(batch.slot_positions_host, batch.slot_positions.cpu())
     assert batch.cu_seqlens_host.tolist() == [0, 3, 4, 6] and batch.slot_positions_host.tolist() == [4, 2, 0]
     assert torch.equal(batch.cu_seqlens_k_host, batch.cu_seqlens_k.cpu()) and batch.cu_seqlens_k_host.tolist()[-1] == 11
+
+
+def test_every_table_starts_16_byte_aligned():
+    """Triton specialises pointers on 16-byte alignment: tables at offsets that follow the batch's sizes made new
+    compiles after warm-up whenever a batch's sizes changed the pattern (H200 serving run, kda_chunk_state)."""
+    for dtype in (torch.int32, torch.int64, torch.int16):
+        for sizes in ([3, 1, 5, 2], [1] * 7, [4, 0, 4], [17]):
+            parts = [list(range(n)) for n in sizes]
+            views = index_tables(parts, torch.device("cpu"), dtype)
+            assert [v.tolist() for v in views] == parts
+            base = views[0].untyped_storage().data_ptr()
+            for v in views:
+                assert (v.data_ptr() - base) % 16 == 0, (dtype, sizes)

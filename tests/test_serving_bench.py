@@ -32,4 +32,7 @@ def test_serving_bench_smoke(tmp_path):
     assert any(name.startswith("idle: ttft after") for name in result["ratios"])
     assert result["http"]["streams_n"]["output_tokens_per_s"] > 0
     assert "offline output tok/s / ceiling" in result["ratios"]
+    web = result["http"]
+    assert len(web["repeat_ttft_ms_all"]) == serving.REPEATS and web["repeat_ttft_ms"] in web["repeat_ttft_ms_all"]
+    assert sorted(web["repeat_ttft_ms_all"])[serving.REPEATS // 2] == web["repeat_ttft_ms"]
     assert (tmp_path / "serving-smoke.md").read_text().startswith("# Serving against its ceilings")
