@@ -285,9 +285,10 @@ def _build_in_child(model: str, options: dict):
     if os.environ.get("K3CORE_PRINT_JIT"):          # every Triton compile in the child, to find warm-up misses
         from kernels.triton.jit_watch import print_compiles
         print_compiles()
+    llm = LLM(model, **options)            # sets the engine's torch threads (k3core.host_threads)
     print(f"engine process {os.getpid()}: cpus {sorted(os.sched_getaffinity(0))}, torch threads "
           f"{torch.get_num_threads()}, switch interval {sys.getswitchinterval()}", file=sys.stderr, flush=True)
-    return LLM(model, **options)
+    return llm
 
 
 def engine_process_loop(args, common: dict, prompts: list[str]) -> dict:
