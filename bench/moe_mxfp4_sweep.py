@@ -68,7 +68,11 @@ def _tiles() -> dict[str, list]:
                            tile(8, 32, 64, 4, 2, **ahead)]
     prefill = [tile(64, 64, 128, 4, 3, **split), tile(64, 64, 128, 4, 4, **split), tile(32, 64, 128, 4, 3, **split),
                tile(128, 64, 128, 8, 3, **split), tile(64, 64, 128, 4, 3, **swap), tile(64, 64, 128, 4, 3, **half),
-               tile(64, 64, 128, 4, 3), tile(128, 64, 64, 8, 3, **scaled)]
+               tile(64, 64, 128, 4, 3), tile(128, 64, 64, 8, 3, **scaled),
+               # one warpgroup over 128 token rows: each decoded weight tile feeds twice the MMA work of the
+               # 64-row tiles (with 8 warps both warpgroups decode the same weight tile); no spills at K step 64
+               tile(128, 64, 64, 4, 3, **split), tile(128, 64, 64, 4, 4, **split), tile(128, 64, 64, 4, 3, **half),
+               tile(128, 64, 128, 4, 3, **split)]
     return {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
 
 
