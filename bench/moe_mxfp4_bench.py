@@ -127,11 +127,10 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """k3core.provenance's: K3CORE_COMMIT first (the device copy's .git can be stale: the prefill sweep at d36d367
+    recorded e1eb146 from it)."""
+    from k3core.provenance import commit_under_test
+    return commit_under_test()
 
 
 def _markdown(meta: dict, rows: list[Row]) -> str:

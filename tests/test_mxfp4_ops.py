@@ -155,7 +155,7 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     cpu = torch.device("cpu")
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
         for pairs, row_class in ((16, "decode"), (64, "decode"), (16 * 16, "decode_batch"), (16 * 64, "decode_batch"),
-                                 (8192, "mid"), (16384, "prefill")):
+                                 (112 * 40, "mid"), (8192, "prefill"), (16384, "prefill")):  # 73 rows: prefill
             want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
