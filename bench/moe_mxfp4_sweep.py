@@ -55,8 +55,9 @@ def _tiles() -> dict[str, list]:
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     swap, split, scaled = dict(swap=True), dict(swap=True, split_x=True), dict(swap=True, scaled=True)
     half, gemv, ahead = dict(swap=True, half_math=True), dict(gemv=True), dict(gemv=True, prefetch=True)
+    asm = dict(swap=True, asm_decode=True)            # the PTX pair decode: checked and timed here first
     dots = [tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half), tile(16, 64, 128, 4, 3, **split),
-            tile(16, 64, 128, 4, 3, **swap)]
+            tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 3, **asm)]
     decode = dots + [tile(16, 128, 128, 4, 3, **scaled),
                      tile(1, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 4, **gemv), tile(1, 64, 128, 4, 2, **gemv),
                      tile(1, 64, 256, 4, 3, **gemv), tile(1, 128, 128, 8, 3, **gemv), tile(1, 32, 256, 2, 3, **gemv),
@@ -72,7 +73,8 @@ def _tiles() -> dict[str, list]:
                # one warpgroup over 128 token rows: each decoded weight tile feeds twice the MMA work of the
                # 64-row tiles (with 8 warps both warpgroups decode the same weight tile); no spills at K step 64
                tile(128, 64, 64, 4, 3, **split), tile(128, 64, 64, 4, 4, **split), tile(128, 64, 64, 4, 3, **half),
-               tile(128, 64, 128, 4, 3, **split)]
+               tile(128, 64, 128, 4, 3, **split), tile(128, 64, 64, 4, 3, split_x=True, **asm),
+               tile(64, 64, 128, 4, 3, split_x=True, **asm)]
     return {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
 
 
@@ -218,7 +220,7 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv, prefetch) | ms | vs bf16 "
+    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv, prefetch, asm_decode) | ms | vs bf16 "
              "| packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
@@ -237,6 +239,7 @@ def summary(results: list[Result], bf16: dict[str, float]) -> str:
         lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
                      f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
                      f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}, gemv={t.gemv}, "
+                     f"asm_decode={t.asm_decode}, "
                      f"prefetch={t.prefetch}),")
     return "\n".join(lines)
 

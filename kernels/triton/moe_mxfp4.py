@@ -61,6 +61,9 @@ class Mxfp4Tile(NamedTuple):
     gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
     #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
     prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
+    asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
+    #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); a sweep candidate until a
+    #                                GPU run has checked and timed it
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -259,14 +262,15 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
 
 
 def _scaled(tile: Mxfp4Tile) -> dict:
-    return {"SCALED": tile.scaled, "HALF_MATH": tile.half_math} if tile.swap else {}
+    return ({"SCALED": tile.scaled, "HALF_MATH": tile.half_math, "ASM_DECODE": tile.asm_decode} if tile.swap
+            else {})
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
-        if tile.swap or tile.split_x or tile.scaled or tile.half_math:
+        if tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode:
             raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled and half_math "
                              f"do not apply; set them False, got {tile}")
         if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
@@ -277,9 +281,21 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
         raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
                          f"of two >= 16, got {tile}")
-    if (tile.split_x or tile.scaled or tile.half_math) and not tile.swap:
-        raise ValueError(f"moe_experts_mxfp4: split_x, scaled and half_math are options of the swap kernel; set "
-                         f"swap=True, got {tile}")
+    if (tile.split_x or tile.scaled or tile.half_math or tile.asm_decode) and not tile.swap:
+        raise ValueError(f"moe_experts_mxfp4: split_x, scaled, half_math and asm_decode are options of the swap "
+                         f"kernel; set swap=True, got {tile}")
+    if tile.asm_decode and (tile.scaled or tile.half_math):
+        raise ValueError(f"moe_experts_mxfp4: asm_decode is a decode of its own; set scaled and half_math False, "
+                         f"got {tile}")
+
+
+def _check_dtype(tile: Mxfp4Tile, x: torch.Tensor) -> None:
+    if tile.half_math and x.dtype != torch.bfloat16:
+        raise ValueError(f"moe_experts_mxfp4: half_math decodes to bf16 and needs bf16 activations, got {x.dtype}; "
+                         "use a tile with half_math=False")
+    if tile.asm_decode and (x.dtype != torch.bfloat16 or target(x.device) != "nvidia"):
+        raise ValueError(f"moe_experts_mxfp4: asm_decode is NVIDIA PTX decoding to bf16: it needs bf16 activations "
+                         f"on an NVIDIA GPU, got {x.dtype} on {target(x.device)}; use a tile with asm_decode=False")
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -299,9 +315,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
                          "tile with scaled=False")
-    if tile.half_math and x.dtype != torch.bfloat16:
-        raise ValueError(f"moe_experts_mxfp4: half_math decodes to bf16 and needs bf16 activations, got {x.dtype}; "
-                         "use a tile with half_math=False")
+    _check_dtype(tile, x)
     num_experts, two_inter, _ = w13_packed.shape
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
@@ -336,6 +350,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
          tile: Mxfp4Tile) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
     _check_tile(tile)
+    _check_dtype(tile, hidden)
     num_experts, hidden_dim, _ = w2_packed.shape
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
