@@ -4,15 +4,17 @@ Beside a GPU the host side of a step is small tensors (batch tables, page tables
 pool of threads, while the pool's idle threads spin after every parallel region and compete with the engine's own
 thread and with everything else on the box. On the H200 machine (16 cores; bench/results/serving-nvidia-h200.md,
 offline_threads) the offline 64-stream workload took 10.6 s at 1 thread and 16.1 s at 16 on a busy host, and an
-engine process at 16 threads kept 8 cores busy. On the CPU the model itself is the host work: there all cores but
+engine process at 16 threads kept 8-9 cores busy. On the CPU the model itself is the host work: there all cores but
 one (one left to the HTTP side) are the server's default; an in-process LLM on the CPU keeps torch's setting.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:                # torch is imported where threads are set, not by k3core.serve.args' importers
+    import torch
 
 GPU_ENGINE_CPU_THREADS = 1     # torch intra-op threads of an engine whose model runs on a GPU
 
@@ -26,9 +28,10 @@ def default_engine_threads(device_type: str) -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-def set_engine_threads(device: torch.device, requested: int | None) -> int:
+def set_engine_threads(device: "torch.device", requested: int | None) -> int:
     """Apply `requested` threads, or with None the default beside a GPU (unless OMP_NUM_THREADS says otherwise);
     on the CPU None leaves torch's setting. Returns the threads in effect."""
+    import torch
     if requested is None:
         if device.type == "cpu" or os.environ.get("OMP_NUM_THREADS"):
             return torch.get_num_threads()

@@ -20,6 +20,7 @@ import torch
 
 from k3core.backend import OpSpec, select_ops
 from k3core.config import ModelConfig, list_presets, load_config, resolve_model
+from k3core.host_threads import set_engine_threads
 from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.network import Network
 from k3core.outputs import CompletionOutput  # re-exported: `from k3core.llm import CompletionOutput`
@@ -74,7 +75,6 @@ class LLM:
         from k3core.parallel.runner import ModelRunner
         from k3core.parallel.shard import shard_model
 
-        from k3core.host_threads import set_engine_threads
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         # torch intra-op threads: 1 beside a GPU unless cpu_threads or OMP_NUM_THREADS says otherwise (process-wide)

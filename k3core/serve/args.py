@@ -10,8 +10,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL = "k3-demo"           # the shipped trained demo model (k3core/presets/k3-demo)
 from k3core.host_threads import GPU_ENGINE_CPU_THREADS, default_engine_threads  # noqa: F401 (re-exported)
+
+DEFAULT_MODEL = "k3-demo"           # the shipped trained demo model (k3core/presets/k3-demo)
 
 
 @dataclass
