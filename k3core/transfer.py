@@ -5,9 +5,9 @@ first, so a step that builds its metadata that way leaves the GPU idle while the
 goes into one pinned buffer and one non-blocking copy; torch's caching host allocator keeps the buffer alive until
 the copy has run, so the caller may drop its host lists at once.
 
-Each table starts 16 bytes into the buffer from the last (padded): Triton specialises a pointer argument on whether
-it is 16-byte aligned, so views at offsets that follow the batch's sizes would give one kernel a new compile for each
-alignment pattern a batch happens to have (the H200 serving run found 6 such compiles after warm-up, on int32 slot,
+Each table starts a multiple of 16 bytes into the buffer (the one before it padded): Triton specialises a pointer
+argument on whether it is 16-byte aligned, so views at offsets that followed the batch's sizes gave one kernel a new
+compile for each alignment pattern a batch happened to have (the H200 serving run found 6 such compiles after warm-up, on int32 slot,
 chunk and checkpoint tables).
 """
 from __future__ import annotations

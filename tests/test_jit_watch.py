@@ -42,6 +42,6 @@ def test_specialisation_names_every_argument():
     data = serialize_specialization_data(
         "m.kernel", {"x_ptr": "*fp32", "n": "i32", "m": "i32", "BLOCK": "constexpr"},
         {(2,): 1, (3,): tl.constexpr(64)}, {(0,): [["tt.divisibility", 16]]}, SimpleNamespace(num_warps=4), "key")
-    text = jit_watch._describe(None, {"specialization_data": data}, "kernel[num_warps=4, num_stages=2](x_ptr: (")
+    text = jit_watch._describe({"specialization_data": data}, "kernel[num_warps=4, num_stages=2](x_ptr: (")
     assert text == "kernel[num_warps=4, num_stages=2](x_ptr: *fp32 D, n: i32, m=1, BLOCK=64)"
-    assert jit_watch._describe(None, None, "a[](x:\n y)") == "a[](x: y)"      # nothing to read: Triton's repr
+    assert jit_watch._describe(None, "a[](x:\n y)") == "a[](x: y)"      # nothing to read: Triton's repr

@@ -34,7 +34,7 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
         item = Compile(time.monotonic(), f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}",
-                       _describe(fn, kwargs.get("compile"), kwargs.get("repr", "")))
+                       _describe(kwargs.get("compile"), kwargs.get("repr", "")))
         seen.append(item)
         if on_compile is not None:
             on_compile(item)
@@ -44,7 +44,7 @@ def watch_compiles(on_compile: Callable[[Compile], None] | None = None) -> list[
     return seen
 
 
-def _describe(fn, compile_args, triton_repr) -> str:
+def _describe(compile_args, triton_repr) -> str:
     """The launch's specialisation, one entry per argument: `name: type` with ` D` where Triton specialised it as a
     multiple of 16, `name=value` for a constexpr or an integer specialised to its value (1). Triton 3.6's own repr
     pairs the parameters with the characters of a string and stops after the first argument; this reads the
