@@ -11,9 +11,12 @@ Sections (each a row set in the result; a section that fails records its error a
 * lone 8K prompt: TTFT with the prefix cache on (the default) and off, against the ceiling's prefill time;
 * offline: `LLM.generate` on --num-prompts prompts of --input-len tokens, --output-len tokens each, against the
   time the ceiling rates allow (every prompt's prefill plus output-len decode steps of N rows per wave);
+* offline_steps, offline_threads, idle_penalty, engine_loop, engine_process_loop: where the time goes
+  (bench.serving_steps: the step mix, torch's intra-op threads, idle pauses, the server's engine loop in this
+  process and in its own);
 * http: `python -m k3core.serve` as a subprocess on the same model and options: TTFT of the first request after
-  /health turns 200 against the same request again (cache flushed between, so only warm-up differs), then
-  bench.serve_bench's client with N streams and with one stream on the same workload.
+  /health turns 200 against the same request again (cache flushed between, so only warm-up differs; the median
+  of REPEATS re-sends), then bench.serve_bench's client with N streams and with one stream on the same workload.
 Ratios are printed last; the JSON and markdown go to --out as serving-<device>.json/.md with device, versions,
 commit and date. --smoke runs every section tiny on the CPU (k3-tiny, torch backend, no graphs) for the tests.
 """
