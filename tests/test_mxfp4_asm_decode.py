@@ -74,7 +74,7 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
 
 
 def _scale_bits(byte: int) -> int:
-    """What `_weight_rows` passes for a scale byte: bf16 2^(byte - 127), 0 the subnormal 0x0040, 255 read as 254."""
+    """What `_e8m0_bf16` gives for a scale byte: bf16 2^(byte - 127), 0 the subnormal 0x0040, 255 read as 254."""
     return 0x40 if byte == 0 else min(byte, 254) << 7
 
 
@@ -98,6 +98,13 @@ def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
                 want_high = _float_to_bf16(codes[byte >> 4].item() * scales[scale_byte].item())
                 assert (low, high) == (want_low, want_high), (scale_byte, byte, hex(low), hex(high),
                                                                hex(want_low), hex(want_high))
+
+
+def test_e8m0_bf16_bits_are_the_exact_scales():
+    """The scale bits the asm is fed (`_e8m0_bf16`'s rule) are the reference's scales in bf16, every byte."""
+    scales = _scale_table(torch.device("cpu"), torch.float64)
+    for byte in range(256):
+        assert _scale_bits(byte) == _float_to_bf16(scales[byte].item()), byte
 
 
 def test_the_asm_uses_only_the_operands_its_constraints_declare():

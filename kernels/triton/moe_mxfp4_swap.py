@@ -31,6 +31,13 @@ def _e8m0_f32(scale):
 
 
 @triton.jit
+def _e8m0_bf16(scale):
+    """int32 scale bytes -> bf16 2^(byte - 127), built as bits (what `_e8m0_f32(scale).to(bfloat16)` gives, without
+    the conversion: 20 fewer instructions in the sm_90 prefill gate/up loop)."""
+    return tl.where(scale == 0, 0x40, tl.minimum(scale, 254) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _f16_code(bits):
     """int32 float16 bit patterns of code * 2^-14 -> the code as float32 (exact)."""
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
@@ -42,22 +49,20 @@ def _f16_code(bits):
 # bit 15 make the bf16 code * 2^-126 exactly (index 1, 0.5, is the subnormal 2^-127); x 2^126 restores the code
 # and x the scale (2^(byte - 127), 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the
 # float32 path gives. About 3.5 instructions a code, against about 11 for the float32 path (sm_90 SASS).
-_ASM_PAIR_DECODE = tl.constexpr("""
-{
-.reg .b32 t, a, b, c126;
-mov.b32 c126, 0x7E807E80;
-prmt.b32 t, $4, $4, 0x1100;
-shl.b32 a, t, 6;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 12;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $0, a, $5;
-shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $2, a, $5;
-prmt.b32 t, $4, $4, 0x3322;
-shl.b32 a, t, 6;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 12;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $1, a, $6;
-shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $3, a, $6;
-}
-""")
+def _pair_decode_ptx() -> str:
+    """The asm below: per byte pair (selector) and nibble (shifts), one bf16x2 register of codes x scale."""
+    steps = []
+    for selector, low_out, high_out, scale in (("0x1100", "$0", "$2", "$5"), ("0x3322", "$1", "$3", "$6")):
+        steps.append(f"prmt.b32 t, $4, $4, {selector};")
+        for magnitude_shift, sign_shift, out in ((6, 12, low_out), (2, 8, high_out)):
+            steps.append(f"shl.b32 a, t, {magnitude_shift};  and.b32 a, a, 0x01C001C0;  "
+                         f"shl.b32 b, t, {sign_shift};  and.b32 b, b, 0x80008000;  or.b32 a, a, b;  "
+                         f"mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, {scale};")
+    return "{\n.reg .b32 t, a, b, c126;\nmov.b32 c126, 0x7E807E80;\n" + "\n".join(steps) + "\n}"
+
+
+_ASM_PAIR_DECODE = tl.constexpr(_pair_decode_ptx())
+
 
 
 @triton.jit
@@ -93,13 +98,11 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
     scale_byte = tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32)
     if ASM_DECODE:
-        # the scale as bf16 bits: 2^(byte - 127) (byte 0: the subnormal 2^-127, bits 0x0040; 255 reads as 254)
-        bits = tl.where(scale_byte == 0, 0x40, tl.minimum(scale_byte, 254) << 7).to(tl.int16)
-        scale_bf16 = tl.reshape(tl.broadcast_to(bits.to(tl.bfloat16, bitcast=True)[:, :, None], (BLOCK_N, GROUPS, 16)),
+        scale_bf16 = tl.reshape(tl.broadcast_to(_e8m0_bf16(scale_byte)[:, :, None], (BLOCK_N, GROUPS, 16)),
                                 (BLOCK_N, HALF_K))
         return _asm_pair_decode(raw, scale_bf16)
-    byte = raw.to(tl.int32)
     scale = _e8m0_f32(scale_byte)
+    byte = raw.to(tl.int32)
     low_bits = ((byte & 7) << 9) | ((byte & 8) << 12)
     high_bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
     if HALF_MATH:
