@@ -368,16 +368,7 @@ def ratios(result: dict, args) -> dict:
     if web and ceil and "stream_1" in web:
         tpot = web["stream_1"]["tpot"]["median_ms"]
         r["http 1 stream decode tok/s / graph replay"] = ceil["decode_step_ms_bs1"] / tpot
-    threads = result.get("offline_threads", {})
-    if threads:
-        r[f"offline at 1 torch thread / at {threads['default_threads']} (time)"] = (
-            threads["duration_s_1_thread"] / threads["duration_s_default_threads"])
-    idle = result.get("idle_penalty", {}).get("rows", [])
-    if len(idle) > 1:
-        for name in ("ttft_ms", "gpu_ms", "host_ms"):
-            if idle[0][name] == idle[0][name]:                       # not NaN (no GPU)
-                r[f"idle: {name[:-3]} after {idle[-1]['pause_s']:g} s idle / right away"] = (idle[-1][name]
-                                                                                            / idle[0][name])
+    r.update(serving_steps.probe_ratios(result))
     if web and "first_request_ttft_ms" in web:
         r["first request TTFT / repeat"] = web["first_request_ttft_ms"] / web["repeat_ttft_ms"]
     return r

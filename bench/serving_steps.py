@@ -182,6 +182,22 @@ def idle_penalty(llm, args, device, prompts: list[str]) -> dict:
     return {"rows": rows[1:]}
 
 
+def probe_ratios(result: dict) -> dict[str, float]:
+    """The offline_threads and idle_penalty sections as ratios (explanations, not targets)."""
+    r: dict[str, float] = {}
+    threads = result.get("offline_threads", {})
+    if threads:
+        r[f"offline at 1 torch thread / at {threads['default_threads']} (time)"] = (
+            threads["duration_s_1_thread"] / threads["duration_s_default_threads"])
+    idle = result.get("idle_penalty", {}).get("rows", [])
+    if len(idle) > 1:
+        for name in ("ttft_ms", "gpu_ms", "host_ms"):
+            if idle[0][name] == idle[0][name]:                       # not NaN (no GPU)
+                r[f"idle: {name[:-3]} after {idle[-1]['pause_s']:g} s idle / right away"] = (idle[-1][name]
+                                                                                            / idle[0][name])
+    return r
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a process so far, from /proc (None where it cannot be read)."""
     import os
