@@ -4,13 +4,13 @@
     TRITON_INTERPRET=1 python -m bench.moe_mxfp4_sweep --smoke --out /tmp/x  # plumbing check on the CPU
 
 One process: the experts (112 local, latent 3584, width 3072, top-16; bf16 weights quantised to MXFP4, the bf16
-op holding their exact dequantised values) are built once; for each case (decode at 1, 4, 16, 64 tokens, prefill at
-512 and 1024 tokens = 8192 and 16384 routed rows) every tile of its row class (`moe_mxfp4.MXFP4_ROW_CLASSES`) runs
-the whole `moe_experts_mxfp4` op with that tile and is checked against the float64 reference (`kernels.torch.
-moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the case's own inputs, and once on the
-conformance case's extreme scales (`ExtremesCheck`); a tile that fails either check (or does not compile or
-launch) is never timed. Checked tiles are timed as the bench times them
-(`bench.timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
+op holding their exact dequantised values) are built once; for each case (decode at 1, 4, 16, 64 tokens, prefill
+at 256, 512 and 1024 tokens = 4096 (the mid class), 8192 and 16384 routed rows) every tile of its row class
+(`moe_mxfp4.MXFP4_ROW_CLASSES`) runs the whole `moe_experts_mxfp4` op with that tile and is checked against the
+float64 reference (`kernels.torch.moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the
+case's own inputs, and once on the conformance case's extreme scales (`ExtremesCheck`); a tile that fails either
+check (or does not compile or launch) is never timed. Checked tiles are timed as the bench times them (`bench.
+timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
 op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
 Printed last: per case the tiles by time with the speed-up over bf16 and the packed bytes' fraction of copy
@@ -34,7 +34,7 @@ from bench.context import load, make_context, require_interpreter, results_dir
 from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
 from bench.timing import measure_ceilings, sweep_timer
 
-DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (512, 1024)
+DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (256, 512, 1024)   # 256: the mid class (37 rows per expert)
 SMOKE_TOKENS = (2, 40)                     # 1 and 20 rows per expert: the decode and the mid class
 # relative to the largest reference output: bf16 x and hidden (2^-9 each) with float32 accumulation, bf16 output;
 # the bench's bound (bench/moe_mxfp4_bench.py GPU_TOL), where both kernels measured 2.4e-3 to 3.6e-3 on the H200
@@ -57,7 +57,8 @@ def _tiles() -> dict[str, list]:
     half, gemv, ahead = dict(swap=True, half_math=True), dict(gemv=True), dict(gemv=True, prefetch=True)
     asm = dict(swap=True, asm_decode=True)            # the PTX pair decode: checked and timed here first
     dots = [tile(16, 64, 128, 4, 3, **half), tile(16, 64, 128, 4, 4, **half), tile(16, 64, 128, 4, 3, **split),
-            tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 3, **asm)]
+            tile(16, 64, 128, 4, 3, **swap), tile(16, 64, 128, 4, 3, **asm), tile(16, 64, 128, 4, 4, **asm),
+            tile(16, 32, 128, 4, 3, **asm)]
     decode = dots + [tile(16, 128, 128, 4, 3, **scaled),
                      tile(1, 64, 128, 4, 3, **gemv), tile(1, 64, 128, 4, 4, **gemv), tile(1, 64, 128, 4, 2, **gemv),
                      tile(1, 64, 256, 4, 3, **gemv), tile(1, 128, 128, 8, 3, **gemv), tile(1, 32, 256, 2, 3, **gemv),
@@ -74,6 +75,7 @@ def _tiles() -> dict[str, list]:
                # 64-row tiles (with 8 warps both warpgroups decode the same weight tile); no spills at K step 64
                tile(128, 64, 64, 4, 3, **split), tile(128, 64, 64, 4, 4, **split), tile(128, 64, 64, 4, 3, **half),
                tile(128, 64, 128, 4, 3, **split), tile(128, 64, 64, 4, 3, split_x=True, **asm),
+               tile(128, 64, 64, 4, 4, split_x=True, **asm), tile(128, 64, 128, 4, 3, split_x=True, **asm),
                tile(64, 64, 128, 4, 3, split_x=True, **asm)]
     return {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
 
