@@ -54,6 +54,7 @@ class Row:
     bf16_copy_fraction: float
     speedup: float | None       # bf16_ms / mxfp4_ms; None when the correctness check failed
     timing: str
+    tile: str = ""              # the MXFP4 launch shape the op chose (`moe_mxfp4.mxfp4_tile`), its set options
 
 
 def expert_weights(ctx: BenchContext, shape: dict) -> dict:
@@ -123,7 +124,14 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
     return Row(phase, tokens, tokens * shape["top_k"], touched, mxfp4_error, bf16_error, tolerance, correct,
                mxfp4_timing.ms, bf16_timing.ms, mxfp4_bytes, bf16_bytes, fraction(mxfp4_bytes, mxfp4_timing.ms),
                fraction(bf16_bytes, bf16_timing.ms), bf16_timing.ms / mxfp4_timing.ms if correct else None,
-               mxfp4_timing.method)
+               mxfp4_timing.method, _tile_label(x, tokens * shape["top_k"], shape["experts"]))
+
+
+def _tile_label(x: torch.Tensor, pairs: int, experts: int) -> str:
+    """'16x64x128 w4 s3 swap asm_decode': block m x n x k, warps, stages and the options that are on."""
+    tile = load("kernels.triton.moe_mxfp4:mxfp4_tile")(x.device, pairs, experts, x.element_size(), x.dtype)
+    flags = [name for name, value in tile._asdict().items() if value is True]
+    return " ".join([f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}", *flags])
 
 
 def _commit() -> str:
@@ -138,13 +146,13 @@ def _markdown(meta: dict, rows: list[Row]) -> str:
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; shapes "
              f"{meta['shape']}; copy ceiling {meta['copy_tbps']:.2f} TB/s (read + write)", "",
              "| phase | tokens | routed rows | experts | mxfp4 ms | bf16 ms | speed-up | mxfp4 of copy | bf16 of copy "
-             "| check (mxfp4 / bf16 error, tol) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| check (mxfp4 / bf16 error, tol) | mxfp4 tile |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "refused: check failed"
         lines.append(f"| {r.phase} | {r.tokens} | {r.routed_rows} | {r.experts_touched} | {r.mxfp4_ms:.4f} | "
                      f"{r.bf16_ms:.4f} | {speedup} | {r.mxfp4_copy_fraction:.1%} | {r.bf16_copy_fraction:.1%} | "
                      f"{'ok' if r.correct else 'FAILED'} ({r.mxfp4_error:.1e} / {r.bf16_error:.1e}, "
-                     f"{r.tolerance:.0e}) |")
+                     f"{r.tolerance:.0e}) | {r.tile} |")
     if meta["smoke"]:
         lines += ["", "Smoke run on the CPU under the Triton interpreter: the times are not measurements."]
     return "\n".join(lines) + "\n"

@@ -49,7 +49,8 @@ def _tiles() -> dict[str, list]:
     is never the default), the losers (0.2-0.75x of the best) dropped, and the gemv tiles
     (`kernels.triton.moe_mxfp4_gemv`): one row per block for decode, 2-16 for decode_batch, some with the next K
     step's words prefetched. Every tile compiles for sm_90 without spilling (backends.offline), except
-    (128, 64, 128, 8, 3, split) whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose); left
+    (128, 64, 128, 8, 3, split) whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose) and
+    (128, 64, 128, 4, 3, split, asm_decode), 48 bytes at 255 registers (the prefill winner at a9a24dd); left
     out for spilling: (64, 128, 64, 4, 3, split) 616 bytes, and with prefetch (1, 64, 256, 4, 3) and
     (1, 32, 256, 2, 3)."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")

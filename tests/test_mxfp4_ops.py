@@ -150,7 +150,8 @@ def test_tile_options_that_cannot_apply_are_refused():
 
 def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():
     """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
-    without half_math (which decodes to bf16 and would be refused for fp16 x)."""
+    without half_math and asm_decode (both decode to bf16, and the op refuses them for fp16 x), and that tile
+    passes the op's own checks for fp16."""
     from kernels.triton.tuning_ops import AssumedDevice, assume_device
     cpu = torch.device("cpu")
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
@@ -159,8 +160,11 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
             want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
-            assert fp16 == want._replace(half_math=False) and not fp16.half_math
-    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode_batch"].half_math      # the case the fp16 rule exists for
+            assert fp16 == want._replace(half_math=False, asm_decode=False)
+            moe_mxfp4._check_tile(fp16)
+            moe_mxfp4._check_dtype(fp16, torch.zeros(1, 8, dtype=torch.float16))
+    # the cases the fp16 rule exists for
+    assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
 
 
 def test_empty_batch_and_shape_errors():

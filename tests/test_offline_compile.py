@@ -126,7 +126,8 @@ def test_state_config_and_precision_follow_the_architecture():
 def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     """On sm_100 and gfx950 the provider's bf16 MXFP4 expert GEMMs go through tl.dot_scaled (the swap kernels with
     SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode
-    (MXFP4_TILES_NVIDIA's one-token decode tile: the gemv kernels since the H200 sweep at 43ce9be)."""
+    (MXFP4_TILES_NVIDIA's one-token decode tile: the swap kernels with the PTX decode since the H200 sweep at
+    a9a24dd)."""
     result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
@@ -144,13 +145,15 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
             for _, launch in recorder.launches:
                 if "gate_up" in launch.kernel or "down" in launch.kernel:
                     compiled = compile_launch(launch, target)
-                    print(arch, launch.kernel, "SCALED=True" in launch.describe(), compiled.error or "ok")
+                    print(arch, launch.kernel, "SCALED=True" in launch.describe(),
+                          "ASM_DECODE=True" in launch.describe(), compiled.error or "ok")
     """)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = sorted(result.stdout.splitlines()[:6])
-    assert lines == sorted(["sm_100 _gate_up_swap_kernel True ok", "sm_100 _down_swap_kernel True ok",
-                            "gfx950 _gate_up_swap_kernel True ok", "gfx950 _down_swap_kernel True ok",
-                            "sm_90 _gate_up_gemv_kernel False ok", "sm_90 _down_gemv_kernel False ok"]), result.stdout
+    assert lines == sorted(["sm_100 _gate_up_swap_kernel True False ok", "sm_100 _down_swap_kernel True False ok",
+                            "gfx950 _gate_up_swap_kernel True False ok", "gfx950 _down_swap_kernel True False ok",
+                            "sm_90 _gate_up_swap_kernel False True ok", "sm_90 _down_swap_kernel False True ok"]), \
+        result.stdout
 
 
 def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():

@@ -62,38 +62,34 @@ class Mxfp4Tile(NamedTuple):
     #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
     prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
     asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
-    #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); a sweep candidate until a
-    #                                GPU run has checked and timed it
+    #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); every sm_90 default since
+    #                                the H200 sweep at a9a24dd
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
-# decode: up to one row per expert (K3 at 1-7 tokens), where a gemv tile reads each weight once per row;
-# decode_batch: 1-16 rows per expert (8-112 tokens), where the dot kernels' 16-row blocks are mostly full;
-# mid: 17-64 (the 64-row tile, not re-measured since ab06aa5); prefill: more (K3 at 512 tokens has 73 per expert).
+# decode: up to one row per expert (K3 at 1-7 tokens); decode_batch: 1-16 rows per expert (8-112 tokens), where
+# the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256 tokens has 37 per expert); prefill: more
+# (K3 at 512 tokens has 73 per expert).
 MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
-# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at ab06aa5
-# (/tmp/briefs/mxfp4_sweep.log of that run; geometric mean over the class's cases, every tile checked against the
-# float64 reference and the extreme scales first). decode (then one class over 1-64 tokens, split since into decode
-# and decode_batch, both given its winner until the next sweep): swap-AB with bf16 pair math, 0.94-1.00x the bf16
-# experts at 1-16 tokens, 0.72x at 64; mid / prefill: swap-AB with split x loads, 0.46x at 512 and 0.38x at 1024 tokens
-# (prefill since d36d367: see its entry; its gate/up kernel with SiTU keeps 32 bytes of stack at 255 registers, as
-# measured).
-# A rerun prints a `paste:` line per class; replace the entry with it. half_math needs bf16: fp16 calls drop it
-# (`mxfp4_tile`).
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at a9a24dd
+# (bench/results/moe-mxfp4-sweep-nvidia-h200.json / .txt; geometric mean over the class's cases, every tile
+# checked against the float64 reference and the extreme scales first), all swap-AB with the PTX decode
+# (asm_decode): 1.18x the bf16 experts at 1 token (the gemv tile with prefetch within 0.5%), 1.30x at 4, 1.35x at
+# 16, 1.21x at 64; 0.86x at 256 tokens (mid), 0.72x at 512 and 0.49x at 1024 (prefill; the Triton-decoded tiles
+# were 0.68x, 0.64x and 0.43x in the same run). The prefill gate/up kernel keeps 48 bytes of stack at 255
+# registers (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
+# float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    # H200 sweep at 43ce9be (bench/results/moe-mxfp4-sweep-nvidia-h200.json): gemv with prefetch 1.20x the bf16
-    # experts at 1 token, 0.97x at 4; swap-AB with bf16 pair math for 16-64; swap-AB split-x for prefill, since
-    # d36d367 (moe-mxfp4-sweep-prefill-nvidia-h200.json) over 128 token rows with one warpgroup: 0.64x the bf16
-    # experts at 8192 routed rows and 0.44x at 16384, against 0.46x and 0.38x for the 64-row tile (the decoded
-    # weight tile feeds twice the MMA; 8 warps made both warpgroups decode the same tile and lost)
-    "decode": Mxfp4Tile(block_m=1, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=False, split_x=False,
-                        scaled=False, half_math=False, gemv=True, prefetch=True),
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, split_x=False,
+                        scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
-                              split_x=False, scaled=False, half_math=True),
+                              split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
+                              asm_decode=True),
     "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
-                     scaled=False, half_math=False),
-    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=3, swap=True, split_x=True,
-                         scaled=False, half_math=False),
+                     scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
 }
 
 
@@ -132,7 +128,7 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
         tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
-        return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False)
+        return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False, asm_decode=False)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
         block_m = min(block_m, 64)
