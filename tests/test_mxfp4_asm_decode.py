@@ -1,7 +1,7 @@
 """The PTX pair decode of the MXFP4 swap kernel (`_ASM_PAIR_DECODE`, opt-in `asm_decode` tiles, NVIDIA only).
 
-No GPU runs here, so the asm text itself is executed by a small interpreter of the instructions it uses (mov, prmt,
-shl, and, or, mul.rn.bf16x2, with PTX's semantics) on every byte and on the scale bytes at and around the E8M0
+No GPU runs here, so the asm text itself is executed by a small interpreter of the instructions it uses (mov, cvt,
+prmt, shl, and, or, mul.rn.bf16x2, with PTX's semantics) on every byte and on the scale bytes at and around the E8M0
 extremes, and compared bit for bit with the float64 reference (`k3core.model.mxfp4`) rounded to bf16: a wrong
 shift, mask, byte selector or operand number fails here. What it cannot check is the hardware (e.g. that bf16x2
 multiplies keep subnormals); the GPU sweep checks every asm tile against float64 and the extremes before timing it.
@@ -46,6 +46,8 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
         vals = [_operand(s, regs) for s in src]
         if op == "mov.b32":
             out = vals[0]
+        elif op == "cvt.u32.u16":            # zero-extend the 16-bit operand
+            out = vals[0] & 0xFFFF
         elif op == "shl.b32":
             out = (vals[0] << vals[1]) & MASK32
         elif op == "and.b32":
@@ -74,8 +76,8 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
 
 
 def _scale_bits(byte: int) -> int:
-    """What `_e8m0_bf16` gives for a scale byte: bf16 2^(byte - 127), 0 the subnormal 0x0040, 255 read as 254."""
-    return 0x40 if byte == 0 else min(byte, 254) << 7
+    """`_e8m0_bf16`'s arithmetic on a scale byte (byte << 7 between the floor 0x40 and the ceiling 0x7F00)."""
+    return min(max(byte << 7, 0x40), 0x7F00)
 
 
 def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
@@ -83,16 +85,16 @@ def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
     scales = _scale_table(torch.device("cpu"), torch.float64)
     extremes = (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
     for shift in range(len(extremes)):
-        # each of the four elements its own scale byte, so that a swapped scale operand shows too
-        scale_bytes = [extremes[(shift + i * 5) % len(extremes)] for i in range(4)]
+        # each of the two elements its own scale byte, so that a swapped scale half shows too
+        scale_bytes = [extremes[(shift + i * 5) % len(extremes)] for i in range(2)]
         bits = [_scale_bits(b) for b in scale_bytes]
-        for first in range(0, 256, 4):
-            packed = list(range(first, first + 4))
-            regs = run_ptx(_ASM_PAIR_DECODE.value, {
-                "$4": packed[0] | packed[1] << 8 | packed[2] << 16 | packed[3] << 24,
-                "$5": bits[0] | bits[1] << 16, "$6": bits[2] | bits[3] << 16})
-            got_low = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
-            got_high = [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
+        for first in range(256):                   # every byte in both positions
+            packed = [first, (7 * first + 1 + 37 * shift) % 256]
+            # bits above the 16-bit operand set, as the 32-bit register behind it may have: the asm must drop them
+            regs = run_ptx(_ASM_PAIR_DECODE.value, {"$2": 0xA5C30000 | packed[0] | packed[1] << 8,
+                                                    "$3": bits[0] | bits[1] << 16})
+            got_low = [regs["$0"] & 0xFFFF, regs["$0"] >> 16]
+            got_high = [regs["$1"] & 0xFFFF, regs["$1"] >> 16]
             for byte, scale_byte, low, high in zip(packed, scale_bytes, got_low, got_high):
                 want_low = _float_to_bf16(codes[byte & 15].item() * scales[scale_byte].item())
                 want_high = _float_to_bf16(codes[byte >> 4].item() * scales[scale_byte].item())
@@ -108,9 +110,10 @@ def test_e8m0_bf16_bits_are_the_exact_scales():
 
 
 def test_the_asm_uses_only_the_operands_its_constraints_declare():
-    """4 outputs ($0-$3: two bf16 pairs per tile) and 3 inputs ($4 bytes, $5-$6 scales), as the call declares."""
+    """2 outputs ($0, $1: one bf16 pair per tile) and 2 inputs ($2 two bytes, $3 their scales), as the call
+    declares."""
     used = set(re.findall(r"\$(\d+)", _ASM_PAIR_DECODE.value))
-    assert used == {str(i) for i in range(7)}
+    assert used == {str(i) for i in range(4)}
 
 
 def test_asm_tiles_are_checked_and_refused_where_they_cannot_run():

@@ -33,8 +33,10 @@ def _e8m0_f32(scale):
 @triton.jit
 def _e8m0_bf16(scale):
     """int32 scale bytes -> bf16 2^(byte - 127), built as bits (what `_e8m0_f32(scale).to(bfloat16)` gives, without
-    the conversion: 20 fewer instructions in the sm_90 prefill gate/up loop)."""
-    return tl.where(scale == 0, 0x40, tl.minimum(scale, 254) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    the conversion): byte << 7 is the exponent field, the floor 0x40 is byte 0's subnormal 2^-127 (every other byte
+    shifts to 0x80 or more) and the ceiling 0x7F00 reads 255 as 254; two min / max and no select (a compare and a
+    select per scale cost 34 more instructions in the sm_90 decode-batch gate/up loop)."""
+    return tl.minimum(tl.maximum(scale << 7, 0x40), 0x7F00).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -43,34 +45,35 @@ def _f16_code(bits):
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
-# Four packed bytes ($4) and their four bf16 scales ($5: elements 0-1, $6: 2-3) -> the low-nibble codes ($0, $1)
-# and the high-nibble codes ($2, $3) as bf16 pairs, times the scale. prmt spreads bytes (0, 1) and (2, 3) to the
-# two 16-bit halves of a register; a code's three magnitude bits shifted to bits 6-8 of its half and its sign to
-# bit 15 make the bf16 code * 2^-126 exactly (index 1, 0.5, is the subnormal 2^-127); x 2^126 restores the code
-# and x the scale (2^(byte - 127), 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the
-# float32 path gives. About 3.5 instructions a code, against about 11 for the float32 path (sm_90 SASS).
-def _pair_decode_ptx() -> str:
-    """The asm below: per byte pair (selector) and nibble (shifts), one bf16x2 register of codes x scale."""
-    steps = []
-    for selector, low_out, high_out, scale in (("0x1100", "$0", "$2", "$5"), ("0x3322", "$1", "$3", "$6")):
-        steps.append(f"prmt.b32 t, $4, $4, {selector};")
-        for magnitude_shift, sign_shift, out in ((6, 12, low_out), (2, 8, high_out)):
-            steps.append(f"shl.b32 a, t, {magnitude_shift};  and.b32 a, a, 0x01C001C0;  "
-                         f"shl.b32 b, t, {sign_shift};  and.b32 b, b, 0x80008000;  or.b32 a, a, b;  "
-                         f"mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, {scale};")
-    return "{\n.reg .b32 t, a, b, c126;\nmov.b32 c126, 0x7E807E80;\n" + "\n".join(steps) + "\n}"
-
-
-_ASM_PAIR_DECODE = tl.constexpr(_pair_decode_ptx())
-
+# Two packed bytes ($2, 16 bits) and their two bf16 scales ($3) -> the low-nibble codes ($0) and the high-nibble
+# codes ($1) as bf16 pairs, times the scale. prmt spreads the bytes to the two 16-bit halves of a register (t); a
+# code's three magnitude bits shifted to bits 6-8 of its half and its sign to bit 15 make the bf16 code * 2^-126
+# exactly (index 1, 0.5, is the subnormal 2^-127); x 2^126 restores the code and x the scale (2^(byte - 127),
+# 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the float32 path gives. The low
+# nibbles take one mask for both shifts: t << 6 has no bits at the sign positions (15, 31) and t << 12 none at the
+# magnitude ones (6-8, 22-24), so the or of the two masked once is the code; the high nibbles' t << 8 does carry
+# bits at 8 and 24 (the low nibbles' bit 0), so each shift is masked on its own. Two bytes per call: the 16-bit
+# operand is what the dot's A fragment holds in one register (four bytes per call made Triton gather bytes from
+# two rows with a prmt each), 5 instructions a code in the sm_90 decode-batch gate/up loop against about 11 for the
+# float32 path.
+_ASM_PAIR_DECODE = tl.constexpr("""{
+.reg .b32 t, a, b, c126;
+mov.b32 c126, 0x7E807E80;
+cvt.u32.u16 t, $2;
+prmt.b32 t, t, 0, 0x4140;
+shl.b32 a, t, 6;  shl.b32 b, t, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $0, a, $3;
+shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
+mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $1, a, $3;
+}""")
 
 
 @triton.jit
 def _asm_pair_decode(byte, scale_bf16):
     """uint8 code bytes and bf16 scales (same shape) -> (low nibbles, high nibbles) x scale in bf16: NVIDIA PTX
-    (sm_90+: mul.rn.bf16x2), four bytes per call."""
-    return tl.inline_asm_elementwise(_ASM_PAIR_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale_bf16],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    (sm_90+: mul.rn.bf16x2), two bytes per call."""
+    return tl.inline_asm_elementwise(_ASM_PAIR_DECODE, "=r,=r,h,r", [byte, scale_bf16],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
 
 
 @triton.jit
