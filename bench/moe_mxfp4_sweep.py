@@ -50,7 +50,7 @@ def _tiles() -> dict[str, list]:
     (`kernels.triton.moe_mxfp4_gemv`): one row per block for decode, 2-16 for decode_batch, some with the next K
     step's words prefetched. Every tile compiles for sm_90 without spilling (backends.offline), except
     (128, 64, 128, 8, 3, split) whose gate/up kernel spills 16 bytes (a tall-M candidate kept on purpose) and
-    (128, 64, 128, 4, 3, split, asm_decode), 48 bytes at 255 registers (the prefill winner at a9a24dd); left
+    (128, 64, 128, 4, 3, split, asm_decode), 40 bytes at 255 registers (the prefill winner since a9a24dd); left
     out for spilling: (64, 128, 64, 4, 3, split) 616 bytes, and with prefetch (1, 64, 256, 4, 3) and
     (1, 32, 256, 2, 3)."""
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")

@@ -165,7 +165,7 @@ def why_not(provider: Provider, dtype: torch.dtype, device: torch.device) -> str
 def run_case(case: Case, provider: Provider, dtype: torch.dtype, device: torch.device, seed: int) -> CaseResult:
     dtype_name = str(dtype).removeprefix("torch.")
     result = CaseResult(case.op, case.case_id, provider.name, dtype_name, "skipped", seed, [])
-    reason = why_not(provider, dtype, device)
+    reason = why_not(provider, dtype, device) or case.params.get("not_for", {}).get(dtype_name, "")
     if reason:
         result.reason = reason
         return result

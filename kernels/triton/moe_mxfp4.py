@@ -63,7 +63,7 @@ class Mxfp4Tile(NamedTuple):
     prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
     asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
     #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); every sm_90 default since
-    #                                the H200 sweep at a9a24dd
+    #                                the H200 sweeps at a9a24dd and a0961ce
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -71,17 +71,17 @@ class Mxfp4Tile(NamedTuple):
 # the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256 tokens has 37 per expert); prefill: more
 # (K3 at 512 tokens has 73 per expert).
 MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
-# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at a9a24dd
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at a0961ce
 # (bench/results/moe-mxfp4-sweep-nvidia-h200.json / .txt; geometric mean over the class's cases, every tile
 # checked against the float64 reference and the extreme scales first), all swap-AB with the PTX decode
-# (asm_decode): 1.18x the bf16 experts at 1 token (the gemv tile with prefetch within 0.5%), 1.30x at 4, 1.35x at
-# 16, 1.21x at 64; 0.86x at 256 tokens (mid), 0.72x at 512 and 0.49x at 1024 (prefill; the Triton-decoded tiles
-# were 0.68x, 0.64x and 0.43x in the same run). The prefill gate/up kernel keeps 48 bytes of stack at 255
-# registers (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# (asm_decode): 1.24x the bf16 experts at 1 token (the gemv tile with prefetch 1.20x), 1.44x at 4, 1.49x at 16,
+# 1.30x at 64; 0.95x at 256 tokens (mid), 0.76x at 512 and 0.52x at 1024 (prefill; the Triton-decoded tiles
+# were 0.68x, 0.64x and 0.43x in the sweep at a9a24dd). The prefill gate/up kernel keeps 40 bytes of stack at
+# 255 registers (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True, split_x=False,
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
