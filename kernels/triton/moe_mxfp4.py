@@ -267,8 +267,8 @@ def _check_tile(tile: Mxfp4Tile) -> None:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
         if tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode:
-            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled and half_math "
-                             f"do not apply; set them False, got {tile}")
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math and "
+                             f"asm_decode do not apply; set them False, got {tile}")
         if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
                 tile.block_k & (tile.block_k - 1)):
             raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
