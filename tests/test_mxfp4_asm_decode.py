@@ -1,4 +1,4 @@
-"""The PTX pair decode of the MXFP4 swap kernel (`_ASM_PAIR_DECODE`, opt-in `asm_decode` tiles, NVIDIA only).
+"""The PTX pair decode of the MXFP4 swap kernel (`_ASM_PAIR_DECODE`: the `asm_decode` tiles, sm_90's defaults).
 
 No GPU runs here, so the asm text itself is executed by a small interpreter of the instructions it uses (mov, cvt,
 prmt, shl, and, or, mul.rn.bf16x2, with PTX's semantics) on every byte and on the scale bytes at and around the E8M0
@@ -12,10 +12,12 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from k3core.model.mxfp4 import _code_table, _scale_table
 from kernels.triton import moe_mxfp4
-from kernels.triton.moe_mxfp4_swap import _ASM_PAIR_DECODE
+from kernels.triton.moe_mxfp4_swap import _ASM_PAIR_DECODE, _e8m0_bf16_bits
 
 MASK32 = 0xFFFFFFFF
 
@@ -75,19 +77,28 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
     return regs
 
 
-def _scale_bits(byte: int) -> int:
-    """`_e8m0_bf16`'s arithmetic on a scale byte (byte << 7 between the floor 0x40 and the ceiling 0x7F00)."""
-    return min(max(byte << 7, 0x40), 0x7F00)
+@triton.jit
+def _scale_bits_kernel(scale_ptr, out_ptr):
+    offsets = tl.arange(0, 256)
+    tl.store(out_ptr + offsets, _e8m0_bf16_bits(tl.load(scale_ptr + offsets)))
+
+
+def _all_scale_bits() -> list[int]:
+    """The kernel's own `_e8m0_bf16_bits` on every scale byte (int32 only, so the interpreter runs it exactly)."""
+    out = torch.zeros(256, dtype=torch.int32)
+    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32), out)
+    return out.tolist()
 
 
 def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
     codes = _code_table(torch.device("cpu"), torch.float64)
     scales = _scale_table(torch.device("cpu"), torch.float64)
     extremes = (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
+    scale_bits = _all_scale_bits()
     for shift in range(len(extremes)):
         # each of the two elements its own scale byte, so that a swapped scale half shows too
         scale_bytes = [extremes[(shift + i * 5) % len(extremes)] for i in range(2)]
-        bits = [_scale_bits(b) for b in scale_bytes]
+        bits = [scale_bits[b] for b in scale_bytes]
         for first in range(256):                   # every byte in both positions
             packed = [first, (7 * first + 1 + 37 * shift) % 256]
             # bits above the 16-bit operand set, as the 32-bit register behind it may have: the asm must drop them
@@ -103,10 +114,11 @@ def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
 
 
 def test_e8m0_bf16_bits_are_the_exact_scales():
-    """The scale bits the asm is fed (`_e8m0_bf16`'s rule) are the reference's scales in bf16, every byte."""
+    """The scale bits the asm is fed (the kernel's `_e8m0_bf16_bits`, run here) are the reference's scales in bf16,
+    every byte."""
     scales = _scale_table(torch.device("cpu"), torch.float64)
-    for byte in range(256):
-        assert _scale_bits(byte) == _float_to_bf16(scales[byte].item()), byte
+    for byte, bits in enumerate(_all_scale_bits()):
+        assert bits == _float_to_bf16(scales[byte].item()), byte
 
 
 def test_the_asm_uses_only_the_operands_its_constraints_declare():

@@ -31,12 +31,18 @@ def _e8m0_f32(scale):
 
 
 @triton.jit
+def _e8m0_bf16_bits(scale):
+    """int32 scale bytes -> the int32 bit patterns of bf16 2^(byte - 127) (what `_e8m0_f32(scale).to(bfloat16)`
+    gives, without the conversion): byte << 7 is the exponent field, the floor 0x40 is byte 0's subnormal 2^-127
+    (every other byte shifts to 0x80 or more) and the ceiling 0x7F00 reads 255 as 254; two min / max and no select
+    (a compare and a select per scale cost 34 more instructions in the sm_90 decode-batch gate/up loop)."""
+    return tl.minimum(tl.maximum(scale << 7, 0x40), 0x7F00)
+
+
+@triton.jit
 def _e8m0_bf16(scale):
-    """int32 scale bytes -> bf16 2^(byte - 127), built as bits (what `_e8m0_f32(scale).to(bfloat16)` gives, without
-    the conversion): byte << 7 is the exponent field, the floor 0x40 is byte 0's subnormal 2^-127 (every other byte
-    shifts to 0x80 or more) and the ceiling 0x7F00 reads 255 as 254; two min / max and no select (a compare and a
-    select per scale cost 34 more instructions in the sm_90 decode-batch gate/up loop)."""
-    return tl.minimum(tl.maximum(scale << 7, 0x40), 0x7F00).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    """int32 scale bytes -> bf16 2^(byte - 127) (`_e8m0_bf16_bits` bitcast)."""
+    return _e8m0_bf16_bits(scale).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
