@@ -96,3 +96,68 @@ def test_a_bad_model_reports_the_engine_start_error():
         srv.shutdown()
         thread.join(15)
         sock.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_server_leaves_no_socket_directory(tmp_path, sig):
+    """`python -m k3core.serve` stopped as a supervisor stops it (SIGTERM: uvicorn shuts down and re-raises the
+    signal, so the server's own clean-up never runs) or kills it: the engine's socket directory is removed all the
+    same, and the engine process leaves without a traceback, instead of both piling up with every restart."""
+    import subprocess
+    import sys
+
+    from k3core.parallel.launch import free_port
+    port = free_port()
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "k3core.serve", "--model", MODEL, "--port", str(port), "--cpu-threads", "1",
+               "--memory-bytes", str(32 << 20), "--chunked-prefill-tokens", "64", "--log-level", "warning"]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env=dict(os.environ, TMPDIR=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        made = list(tmp_path.glob("k3core-engine-*"))
+        assert len(made) == 1, made
+        engine = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == server.pid]
+        assert engine, "the server has no child process"
+        os.kill(server.pid, sig)
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while made[0].exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not made[0].exists(), f"{made[0]} outlived the server ({sig.name}):\n{log.read_text()}"
+        deadline = time.monotonic() + 30                           # the orphan's grace before it leaves anyway
+        while any(_alive(pid) for pid in engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in engine), "the engine process outlived the server"
+        assert "Traceback" not in log.read_text(), log.read_text()          # its threads leave quietly too
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        server.wait(timeout=30)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

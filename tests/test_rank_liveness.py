@@ -60,7 +60,9 @@ class Served:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "server.log"
-        env = dict(os.environ)
+        self.tmp = tmp_path / "tmp"           # the server's TMPDIR: where its engine's socket directory lives
+        self.tmp.mkdir()
+        env = dict(os.environ, TMPDIR=str(self.tmp))
         if hook:
             (tmp_path / "sitecustomize.py").write_text(FAULT_HOOK)
             env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
@@ -78,6 +80,7 @@ class Served:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log_text()
             if self.health() == 200:
+                assert list(self.tmp.glob("k3core-engine-*")), "no socket directory under the server's TMPDIR"
                 return
             time.sleep(0.3)
         raise AssertionError(f"the server did not become healthy:\n{self.log_text()}")
@@ -115,7 +118,17 @@ class Served:
             time.sleep(0.1)
         code = self.process.wait(timeout=30)
         assert code == EXIT_ENGINE_DIED, f"exit code {code}:\n{self.log_text()}"
+        self.wait_socket_dir_removed()
         return elapsed, reply.json()
+
+    def wait_socket_dir_removed(self, timeout_s: float = 5.0) -> None:
+        """The server left by os._exit (its main thread may be stuck in a collective): its engine process, orphaned,
+        removes the socket directory the server made, so that restarts do not pile them up in /tmp."""
+        deadline = time.monotonic() + timeout_s
+        while list(self.tmp.glob("k3core-engine-*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = list(self.tmp.glob("k3core-engine-*"))
+        assert not left, f"the engine's socket directory outlived the server: {left}"
 
     def close(self) -> None:
         try:

@@ -52,10 +52,11 @@ def _tokenizer(kind: str):
         fast.decoder = decoders.Metaspace()
         trainer = trainers.BpeTrainer(vocab_size=150, special_tokens=specials)
     fast.train_from_iterator(CORPUS * 10, trainer=trainer)
-    path = Path(tempfile.mkdtemp(prefix=f"k3core_stop_{kind}_"))
-    fast.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
-    tokenizer = CheckpointTokenizer(path, config)
+    with tempfile.TemporaryDirectory(prefix=f"k3core_stop_{kind}_") as name:   # tokenizer.json is read eagerly
+        path = Path(name)
+        fast.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>"}))
+        tokenizer = CheckpointTokenizer(path, config)
     tokenizer.vocab_size = fast.get_vocab_size()
     return tokenizer
 

@@ -138,8 +138,10 @@ class _ForwardingMetrics:
         self._send(Publish(snapshot))
 
 
-def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_engine: str, from_engine: str) -> None:
-    """The child process: an EngineThread's loop on this process's main thread, fed from the command socket."""
+def _engine_main(build_llm: Callable[[], Any], context_length: int | None, socket_dir: str, to_engine: str,
+                 from_engine: str) -> None:
+    """The child process: an EngineThread's loop on this process's main thread, fed from the command socket.
+    `socket_dir` holds both sockets' files; the server removes it on a clean stop, this process if the server died."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C reaches the whole group: the server sends Stop instead
     context = zmq.Context()
     out = context.socket(zmq.PUSH)
@@ -188,7 +190,11 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
     def read_commands() -> None:
         engine.ready.wait()
         while True:
-            command = decoder.decode(inbox.recv())
+            try:
+                data = inbox.recv()
+            except zmq.ZMQError:             # the socket closed: this process is leaving
+                return
+            command = decoder.decode(data)
             if isinstance(command, Submit):
                 engine.submit(command.request_id, command.prompt_token_ids, command.params,
                               sink_for(command.request_id), command.arrival, command.observe)
@@ -214,13 +220,17 @@ def _engine_main(build_llm: Callable[[], Any], context_length: int | None, to_en
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
         log.warning("the server process is gone: stopping the engine")
+        shutil.rmtree(socket_dir, ignore_errors=True)     # its owner cannot remove it any more (SIGKILL, os._exit)
         engine._stop.set()
         time.sleep(ORPHAN_GRACE_S)
         os._exit(1)
 
     def beat() -> None:
         while True:
-            send(Beat())
+            try:
+                send(Beat())
+            except zmq.ZMQError:             # the socket closed: this process is leaving
+                return
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, name="k3core-engine-beat", daemon=True).start()
@@ -278,7 +288,8 @@ class EngineProcess:
         self._stopping = False
         spawn = mp.get_context("spawn")
         self._process = spawn.Process(target=_engine_main, name="k3core-engine",
-                                      args=(build_llm, context_length, self._to_engine, self._from_engine))
+                                      args=(build_llm, context_length, self._dir, self._to_engine,
+                                            self._from_engine))
         self._receiver = threading.Thread(target=self._receive, name="k3core-engine-receiver", daemon=True)
 
     @property
