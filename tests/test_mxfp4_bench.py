@@ -18,7 +18,7 @@ def test_smoke_run_writes_checked_rows(tmp_path):
     assert all(r["correct"] and r["speedup"] is not None for r in data["rows"])
     assert all(r["mxfp4_bytes"] < r["bf16_bytes"] / 2 for r in data["rows"])   # ~4.25 against 16 bits per value
     assert "commit" in data["meta"] and "| decode | 1 |" in (tmp_path / "moe-mxfp4-smoke.md").read_text()
-    assert all(r["tile"] == "16x32x64 w1 s1" for r in data["rows"])          # the interpreter's tile, recorded
+    assert all(r["tile"] == "16x256x256 w1 s1" for r in data["rows"])        # the interpreter's tile, recorded
 
 
 def test_a_failing_check_prints_no_speedup(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 from kernels.triton import moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E402
 
-# the interpreter's tiles of both kernels: x W^T (the default) and the weight as the dot's first operand
+# the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
 # no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
@@ -28,7 +28,9 @@ SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously
 GEMV_TILE = moe_mxfp4.Mxfp4Tile(block_m=4, block_n=32, block_k=64, num_warps=1, num_stages=1, gemv=True)
 GEMV_K32_TILE = GEMV_TILE._replace(block_m=8, block_k=32, prefetch=True)   # the last step's prefetch masked off
 GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
-TILES = {"triton": None, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE, "triton-gemv": GEMV_TILE,
+# the default (the interpreter's wide tile) and the x W^T kernel at a small one: K steps of 64, masked tails
+SMALL_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+TILES = {"triton": None, "triton-small": SMALL_TILE, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE, "triton-gemv": GEMV_TILE,
          "triton-gemv-k32": GEMV_K32_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
@@ -66,7 +68,8 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
 
 
 # every dot provider under both activations; the gemv tiles (slow in the interpreter) under one each
-CASES = [(p, a) for p in ("reference", "triton", "triton-swap", "triton-swap-split") for a in ("silu", "situ")] + [
+CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", "triton-swap-split")
+         for a in ("silu", "situ")] + [
     ("triton-gemv", "silu"), ("triton-gemv-k32", "situ")]
 
 
@@ -119,7 +122,7 @@ def test_scale_extremes_and_byte_255():
     want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
     for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
         _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
-    for tile in (SWAP_TILE, SPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
+    for tile in (SMALL_TILE, SWAP_TILE, SPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
         _assert_close(moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids,
                                                   "silu", 4.0, 25.0, tile=tile), want)
     # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
