@@ -27,11 +27,13 @@ def test_smoke_sweep_checks_times_and_writes(tmp_path, capsys):
     assert set(shapes) == {"prefill", "decode"}
     for shape in shapes.values():
         trials = shape["trials"]
-        # 2 block_m x 3 tiles x 2 GEMMs and the fused gate/up tile at both block_m (gate/up only), every one checked
-        # (error recorded) and timed, except the two-half tile at block_m 16 (8-row halves), skipped with its reason
+        # the interpreter's default (block_m 16, 32x32 tiles: not in the grid) for both GEMMs, then 2 block_m x 3 tiles
+        # x 2 GEMMs and the fused gate/up tile at both block_m (gate/up only), every one checked (error recorded) and
+        # timed, except the two-half tile at block_m 16 (8-row halves), skipped with its reason
         timed = [t for t in trials if t["status"] == "ok"]
         skipped = [t for t in trials if t["status"] == "skipped"]
-        assert len(timed) == 12 and all(t["ms"] > 0 for t in timed)
+        assert len(timed) == 14 and all(t["ms"] > 0 for t in timed)
+        assert sum(t["block_m"] == 16 and t["tile"][:2] == [32, 32] for t in timed) == 2
         assert len(skipped) == 2 and all(t["block_m"] == 16 and "8 rows" in t["reason"] for t in skipped)
         assert sum(t["tile"][4] == 2 and t["tile"][5] for t in timed) == 2        # two-half, descriptor tiles
         fused = [t for t in trials if t["tile"][6]]

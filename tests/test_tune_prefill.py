@@ -22,15 +22,20 @@ def test_chunk_sizes_option_picks_what_is_compared(tmp_path):
     assert all(t["status"] == "ok" for t in result["trials"])
 
 
-def _run(tmp_path, *extra: str) -> dict:
-    tune_prefill.run(["--smoke", "--out", str(tmp_path), *extra])
+def _run(tmp_path, *extra: str, exit_code: int | None = None) -> dict:
+    """The smoke sweep's JSON; with `exit_code`, run through `main` and check what it returned."""
+    argv = ["--smoke", "--out", str(tmp_path), *extra]
+    if exit_code is None:
+        tune_prefill.run(argv)
+    else:
+        assert tune_prefill.main(argv) == exit_code
     (json_path,) = tmp_path.glob("tune-prefill-*.json")
     assert json_path.with_suffix(".md").exists()
     return json.loads(json_path.read_text())
 
 
 def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
-    result = _run(tmp_path)
+    result = _run(tmp_path, exit_code=0)
     # one row per shape and chunk size: the table's chunk size and 16 in smoke runs
     table_chunk = kernel_config("kda_intra").block_t
     assert [(r["shape"], r["chunk"]) for r in result["summary"]] == [
@@ -45,7 +50,6 @@ def test_smoke_sweep_times_each_pass_and_every_config(tmp_path):
         assert all(t["status"] == "ok" and t["error"] < 1e-4 for t in mine)
         for kind in ("intra", "state"):
             assert row[f"{kind}_best"]["ms"] == min(t["ms"] for t in mine if t["kernel"] == kind)
-    assert tune_prefill.main(["--smoke", "--out", str(tmp_path)]) == 0
 
 
 def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_path, monkeypatch):
@@ -63,7 +67,7 @@ def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_pat
 
     monkeypatch.setattr(PrefillLaunch, "state", state)
     monkeypatch.setattr(PrefillLaunch, "intra", intra)
-    result = _run(tmp_path)
+    result = _run(tmp_path, "--chunk-sizes", "16")                  # the gate is per trial: one chunk size shows it
     wrong = [t for t in result["trials"] if t["kernel"] == "state" and t["config"]["block_v"] == 8]
     failed = [t for t in result["trials"] if t["kernel"] == "intra" and t["config"]["num_warps"] == 2]
     assert wrong and all(t["status"].startswith("wrong: output") and t["ms"] is None for t in wrong)
@@ -74,13 +78,12 @@ def test_a_wrong_state_config_and_a_failing_intra_config_are_never_timed(tmp_pat
 
 
 def test_time_budget_skips_what_is_left(tmp_path):
-    result = _run(tmp_path, "--budget-s", "0")
+    result = _run(tmp_path, "--budget-s", "0", exit_code=1)
     assert result["trials"] and all(t["status"].startswith("skipped") for t in result["trials"])
-    assert tune_prefill.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)]) == 1
 
 
 def test_passes_limits_the_sweep_but_both_passes_are_still_timed(tmp_path):
-    result = _run(tmp_path, "--passes", "state")
+    result = _run(tmp_path, "--passes", "state", "--chunk-sizes", "16")
     for row in result["summary"]:
         mine = [t for t in result["trials"] if (t["shape"], t["chunk"]) == (row["shape"], row["chunk"])]
         assert len([t for t in mine if t["kernel"] == "intra"]) == 1 and row["intra_default_ms"] > 0
