@@ -25,6 +25,7 @@ import torch
 
 from bench.context import BenchContext, load, make_context, require_interpreter, results_dir
 from bench.timing import measure_ceilings
+from k3core.model.mxfp4 import max_scale_of
 
 K3_SHAPE = dict(experts=112, latent=3584, width=3072, top_k=16)
 SMOKE_SHAPE = dict(experts=8, latent=64, width=64, top_k=4)
@@ -95,9 +96,11 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
     reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
     (w13_codes, w13_scale), (w2_codes, w2_scale) = packed["w13"], packed["w2"]
     act = ("situ", 4.0, 25.0)
+    bound = max_scale_of(w13_scale, w2_scale)                   # measured once, as the model does at load
 
     def mxfp4(rows=slice(None)):
-        return mxfp4_op(x[rows], w13_codes, w13_scale, w2_codes, w2_scale, weights[rows], expert_ids[rows], *act)
+        return mxfp4_op(x[rows], w13_codes, w13_scale, w2_codes, w2_scale, weights[rows], expert_ids[rows], *act,
+                        max_scale=bound)
 
     def bf16(rows=slice(None)):
         return bf16_op(x[rows], packed["w13_dense"], packed["w2_dense"], weights[rows], expert_ids[rows], *act)
@@ -124,13 +127,16 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
     return Row(phase, tokens, tokens * shape["top_k"], touched, mxfp4_error, bf16_error, tolerance, correct,
                mxfp4_timing.ms, bf16_timing.ms, mxfp4_bytes, bf16_bytes, fraction(mxfp4_bytes, mxfp4_timing.ms),
                fraction(bf16_bytes, bf16_timing.ms), bf16_timing.ms / mxfp4_timing.ms if correct else None,
-               mxfp4_timing.method, _tile_label(x, tokens * shape["top_k"], shape["experts"]))
+               mxfp4_timing.method, _tile_label(x, tokens * shape["top_k"], shape["experts"], bound))
 
 
-def _tile_label(x: torch.Tensor, pairs: int, experts: int) -> str:
-    """'16x64x128 w4 s3 swap asm_decode': block m x n x k, warps, stages and the options that are on."""
+def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None = None) -> str:
+    """'16x64x128 w4 s3 swap asm_decode scale_fold': block m x n x k, warps, stages and the options that are on
+    (scale_fold: the swap kernels fold their decode constant under this `max_scale`)."""
     tile = load("kernels.triton.moe_mxfp4:mxfp4_tile")(x.device, pairs, experts, x.element_size(), x.dtype)
     flags = [name for name, value in tile._asdict().items() if value is True]
+    if tile.swap and not tile.scaled and load("kernels.triton.moe_mxfp4:scale_fold")(max_scale):
+        flags.append("scale_fold")
     return " ".join([f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}", *flags])
 
 

@@ -33,6 +33,7 @@ import torch
 from bench.context import load, make_context, require_interpreter, results_dir
 from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
 from bench.timing import measure_ceilings, sweep_timer
+from k3core.model.mxfp4 import max_scale_of
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (256, 512, 1024)   # 256: the mid class (37 rows per expert)
 SMOKE_TOKENS = (2, 40)                     # 1 and 20 rows per expert: the decode and the mid class
@@ -118,6 +119,7 @@ class ExtremesCheck:
         self.weights = args["weights"].to(device=ctx.device, dtype=torch.float32)   # pinned float32 (the case's)
         self.rest = [args[k].to(ctx.device) for k in ("w13_packed", "w13_scale", "w2_packed", "w2_scale")]
         self.ids = args["expert_ids"].to(ctx.device)
+        self.max_scale = args["max_scale"]                      # 255: these scales cannot fold
         reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
         self.want = reference(self.x.double(), *self.rest, self.weights.double(), self.ids, *ACT).cpu()
         self.done: dict[tuple, float] = {}
@@ -125,7 +127,8 @@ class ExtremesCheck:
     def worst(self, op, tile) -> float:
         """max |op - reference| / (atol + rtol |reference|): <= 1 passes."""
         if tuple(tile) not in self.done:
-            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=tile).double().cpu()
+            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=tile,
+                     max_scale=self.max_scale).double().cpu()
             bound = self.tolerance.atol + self.tolerance.rtol * self.want.abs()
             self.done[tuple(tile)] = (float(((got - self.want).abs() / bound).max()) if torch.isfinite(got).all()
                                       else math.inf)
@@ -154,6 +157,7 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
     weights = torch.rand(tokens, top_k, generator=ctx.generator).to(ctx.device)
     (w13, w13_scale), (w2, w2_scale) = packed["w13"], packed["w2"]
     want = reference(x.double(), w13, w13_scale, w2, w2_scale, weights.double(), expert_ids, *ACT)
+    bound = max_scale_of(w13_scale, w2_scale)                   # as the model passes it (folds: <= 128)
     decode = _is_decode(row_class)
     tolerance = SMOKE_TOL if ctx.smoke else GPU_TOL
 
@@ -172,7 +176,7 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
     results = []
     for tile in tiles:
         def call(tile=tile):
-            return mxfp4_op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, *ACT, tile=tile)
+            return mxfp4_op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, *ACT, tile=tile, max_scale=bound)
         started = time.perf_counter()
         try:
             error = _relative_error(call(), want)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from k3core.model.mxfp4 import max_scale_of
 from k3core.ops import KdaGateParams
 
 NAN = float("nan")
@@ -211,7 +212,9 @@ def build_moe_experts_mxfp4(p: dict, gen: torch.Generator) -> OpCall:
     zero in the other 31 (2 * 2^127 overflows float32 and bf16), and x = +-2^-126 in those columns (normal
     floats), so the block adds +-0.5 or 0 to each gate/up value, against about 1 from the other columns (a decode
     of 254 as 253 moves it by 0.25); scale byte 0 (2^-127) on scattered blocks of both weights, so that a wrong
-    decode of either extreme shows in the output.
+    decode of either extreme shows in the output. p["fold_extremes"]: the same at the ends of the folded decode's
+    range (`max_scale` <= 128, which the call passes as the model does): byte 128 on W13's first 32 columns, byte 0
+    scattered.
 
     Why the magnitudes matter: the kernels round the expert hidden to bf16 between the GEMMs (documented, and the
     MATMUL tolerance's premise), an absolute error of 2^-9 |hidden|; with hidden values O(100) (what 32 products
@@ -232,7 +235,7 @@ def build_moe_experts_mxfp4(p: dict, gen: torch.Generator) -> OpCall:
         base = 127 - round(math.log2(cols) / 2 + 2)
         packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.uint8)
         scale = torch.randint(base - 1, base + 2, (experts, rows, cols // 32), generator=gen, dtype=torch.uint8)
-        if p.get("extremes"):
+        if p.get("extremes") or p.get("fold_extremes"):
             scale[torch.rand(scale.shape, generator=gen) < 0.1] = 0
         return packed, scale
 
@@ -244,10 +247,15 @@ def build_moe_experts_mxfp4(p: dict, gen: torch.Generator) -> OpCall:
         w13_packed[:, :, 1:16] = 0                                          # and 0 in columns 1-31
         w13_scale[:, :, 0] = torch.where(torch.rand(experts, 2 * inter, generator=gen) < 0.5, 254, 255).to(torch.uint8)
         x[:, :32] = torch.where(x[:, :32] < 0, -1.0, 1.0) * 2.0 ** -126    # normal floats: products +-0.5
+    if p.get("fold_extremes"):                   # the ends of the folded decode's range: bytes 0 (above) and 128
+        w13_packed[:, :, :1] &= 0x09                                        # codes 0, +-0.5 (x 2) in column 0
+        w13_packed[:, :, 1:16] = 0
+        w13_scale[:, :, 0] = 128                                            # the Triton swap kernels' FOLD_MAX_SCALE
+    # the bound the model measures at load (k3core.model.ffn.RoutedExperts): <= 128 lets the kernels fold
     return OpCall(dict(x=x, w13_packed=w13_packed, w13_scale=w13_scale, w2_packed=w2_packed, w2_scale=w2_scale,
                        weights=torch.rand(tokens, top_k, generator=gen, dtype=torch.float64),
                        expert_ids=expert_ids, activation=p["activation"], situ_beta=4.0, situ_linear_beta=25.0,
-                       expert_offset=offset), frozenset({"weights"}), {})
+                       expert_offset=offset, max_scale=max_scale_of(w13_scale, w2_scale)), frozenset({"weights"}), {})
 
 
 def build_attn_res_read(p: dict, gen: torch.Generator) -> OpCall:
@@ -370,6 +378,8 @@ def _cases() -> list[Case]:
         activation="situ", uneven=True)
     add("moe_experts_mxfp4", "silu-extremes-EP-T15-D96-I96-E4-k3", "quick", T=15, D=96, I=96, E=4, top_k=3,
         activation="silu", offset=4, foreign_after=4, extremes=True, not_for=FP16_EXTREMES)
+    add("moe_experts_mxfp4", "silu-fold-extremes-T33-D96-I64-E4-k2", "quick", T=33, D=96, I=64, E=4, top_k=2,
+        activation="silu", fold_extremes=True)
     add("moe_experts_mxfp4", "empty-batch", "quick", T=0, D=64, I=32, E=4, top_k=2, activation="silu")
     add("moe_experts_mxfp4", "situ-T1000-D256-I192-E16-k4", "full", T=1000, D=256, I=192, E=16, top_k=4,
         activation="situ", extremes=True, not_for=FP16_EXTREMES)

@@ -134,14 +134,17 @@ OPS: tuple[OpInfo, ...] = (
     OpInfo("moe_experts_mxfp4", "kernels.torch.moe_mxfp4:moe_experts_mxfp4", """
         moe_experts_mxfp4(x [T, D], w13_packed [E, 2I, D/2] uint8, w13_scale [E, 2I, D/32] uint8,
                           w2_packed [E, D, I/2] uint8, w2_scale [E, D, I/32] uint8, weights [T, k] float32,
-                          expert_ids [T, k], activation, situ_beta, situ_linear_beta, expert_offset: int = 0)
-                          -> y [T, D] (dtype of x)
+                          expert_ids [T, k], activation, situ_beta, situ_linear_beta, expert_offset: int = 0,
+                          *, max_scale: int | None = None) -> y [T, D] (dtype of x)
         moe_experts with the expert weights in MXFP4 as the checkpoint stores them (compressed-tensors
         mxfp4-pack-quantized, k3core.model.mxfp4): W[e, n, k] = e2m1(code) * 2^(scale[e, n, k // 32] - 127), the
         code of k in byte [e, n, k // 2], low nibble for even k, high nibble for odd k; a code is sign (bit 3) and
         a magnitude index (bits 0-2) into {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Scale byte 255 (NaN in E8M0) reads as
         254. D and I are multiples of 32; w13 rows are [gate | up] as in moe_experts. Weights are dequantised
-        per call (never held dense); products in x's dtype, sums in float32."""),
+        per call (never held dense); products in x's dtype, sums in float32. max_scale: None, or a bound on
+        every scale byte of both tensors (measured once at load: k3core.model.mxfp4.max_scale_of), which
+        kernels may use to fold constants (the Triton swap kernels at <= 128); the result does not depend on it
+        and the reference checks it."""),
     OpInfo("attn_res_read", "kernels.torch.attn_res:attn_res_read", """
         attn_res_read(bank [T, S_max, D], num_valid: int, live [T, D], query [D] float32, eps) -> [T, D]
         candidates = bank[:, :num_valid] then live; score_j = rsqrt(mean(v_j^2) + eps) * (v_j . query);

@@ -17,7 +17,13 @@ import triton.language as tl
 
 from k3core.model.mxfp4 import _code_table, _scale_table
 from kernels.triton import moe_mxfp4
-from kernels.triton.moe_mxfp4_swap import _ASM_PAIR_DECODE, _e8m0_bf16_bits
+from kernels.triton.moe_mxfp4_swap import (
+    _ASM_PAIR_DECODE,
+    _ASM_PAIR_DECODE_FOLDED,
+    FOLD_MAX_SCALE,
+    _e8m0_bf16_bits,
+    _e8m0_bf16_folded_bits,
+)
 
 MASK32 = 0xFFFFFFFF
 
@@ -78,23 +84,33 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
 
 
 @triton.jit
-def _scale_bits_kernel(scale_ptr, out_ptr):
+def _scale_bits_kernel(scale_ptr, out_ptr, FOLDED: tl.constexpr):
     offsets = tl.arange(0, 256)
-    tl.store(out_ptr + offsets, _e8m0_bf16_bits(tl.load(scale_ptr + offsets)))
+    scale = tl.load(scale_ptr + offsets)
+    if FOLDED:
+        tl.store(out_ptr + offsets, _e8m0_bf16_folded_bits(scale))
+    else:
+        tl.store(out_ptr + offsets, _e8m0_bf16_bits(scale))
 
 
-def _all_scale_bits() -> list[int]:
-    """The kernel's own `_e8m0_bf16_bits` on every scale byte (int32 only, so the interpreter runs it exactly)."""
+def _all_scale_bits(folded: bool = False) -> list[int]:
+    """The kernel's own `_e8m0_bf16_bits` (or `_e8m0_bf16_folded_bits`) on every scale byte (int32 only, so the
+    interpreter runs it exactly)."""
     out = torch.zeros(256, dtype=torch.int32)
-    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32), out)
+    _scale_bits_kernel[(1,)](torch.arange(256, dtype=torch.int32), out, FOLDED=folded)
     return out.tolist()
 
 
-def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
+FOLD_SCALES = (0, 1, 2, 64, 100, 119, 126, 127, FOLD_MAX_SCALE)       # every scale the folded decode may see ends
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
+def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit(folded):
     codes = _code_table(torch.device("cpu"), torch.float64)
     scales = _scale_table(torch.device("cpu"), torch.float64)
-    extremes = (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
-    scale_bits = _all_scale_bits()
+    extremes = FOLD_SCALES if folded else (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
+    scale_bits = _all_scale_bits(folded)
+    text = (_ASM_PAIR_DECODE_FOLDED if folded else _ASM_PAIR_DECODE).value
     for shift in range(len(extremes)):
         # each of the two elements its own scale byte, so that a swapped scale half shows too
         scale_bytes = [extremes[(shift + i * 5) % len(extremes)] for i in range(2)]
@@ -102,8 +118,7 @@ def test_every_byte_and_extreme_scale_decodes_to_the_reference_bit_for_bit():
         for first in range(256):                   # every byte in both positions
             packed = [first, (7 * first + 1 + 37 * shift) % 256]
             # bits above the 16-bit operand set, as the 32-bit register behind it may have: the asm must drop them
-            regs = run_ptx(_ASM_PAIR_DECODE.value, {"$2": 0xA5C30000 | packed[0] | packed[1] << 8,
-                                                    "$3": bits[0] | bits[1] << 16})
+            regs = run_ptx(text, {"$2": 0xA5C30000 | packed[0] | packed[1] << 8, "$3": bits[0] | bits[1] << 16})
             got_low = [regs["$0"] & 0xFFFF, regs["$0"] >> 16]
             got_high = [regs["$1"] & 0xFFFF, regs["$1"] >> 16]
             for byte, scale_byte, low, high in zip(packed, scale_bytes, got_low, got_high):
@@ -121,10 +136,22 @@ def test_e8m0_bf16_bits_are_the_exact_scales():
         assert bits == _float_to_bf16(scales[byte].item()), byte
 
 
-def test_the_asm_uses_only_the_operands_its_constraints_declare():
+def test_folded_scale_bits_are_2_to_the_126_times_the_scale():
+    """The folded decode's scale operand (`_e8m0_bf16_folded_bits`, run here): 2^126 x the reference's scale,
+    exactly, for every byte up to FOLD_MAX_SCALE; one multiply of the folded asm fewer per pair than the other."""
+    scales = _scale_table(torch.device("cpu"), torch.float64)
+    bits = _all_scale_bits(folded=True)
+    for byte in range(FOLD_MAX_SCALE + 1):
+        assert bits[byte] == _float_to_bf16(scales[byte].item() * 2.0 ** 126), byte
+    count = lambda text: text.count("mul.rn.bf16x2")  # noqa: E731
+    assert (count(_ASM_PAIR_DECODE.value), count(_ASM_PAIR_DECODE_FOLDED.value)) == (4, 2)
+
+
+@pytest.mark.parametrize("text", [_ASM_PAIR_DECODE, _ASM_PAIR_DECODE_FOLDED], ids=["two-multiplies", "folded"])
+def test_the_asm_uses_only_the_operands_its_constraints_declare(text):
     """2 outputs ($0, $1: one bf16 pair per tile) and 2 inputs ($2 two bytes, $3 their scales), as the call
     declares."""
-    used = set(re.findall(r"\$(\d+)", _ASM_PAIR_DECODE.value))
+    used = set(re.findall(r"\$(\d+)", text.value))
     assert used == {str(i) for i in range(4)}
 
 
@@ -149,8 +176,8 @@ def test_asm_tiles_are_checked_and_refused_where_they_cannot_run():
 
 
 def test_asm_tiles_compile_for_sm90_without_spills():
-    """ptxas accepts the asm inside both swap kernels at K3's prefill and decode-batch shapes (offline, in a
-    subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins that cannot compile)."""
+    """ptxas accepts the asm (and the folded asm) inside both swap kernels at K3's prefill and decode-batch shapes
+    (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins that cannot compile)."""
     import os
     import subprocess
     import sys
@@ -167,10 +194,12 @@ def test_asm_tiles_compile_for_sm90_without_spills():
         w13p = torch.zeros(E, 2 * I, D // 2, dtype=torch.uint8); w13s = torch.zeros(E, 2 * I, D // 32, dtype=torch.uint8)
         w2p = torch.zeros(E, D, I // 2, dtype=torch.uint8); w2s = torch.zeros(E, D, I // 32, dtype=torch.uint8)
         ids, wts = torch.randint(0, E, (T, K)), torch.rand(T, K)
-        for tile in (Mxfp4Tile(128, 64, 64, 4, 3, swap=True, split_x=True, asm_decode=True),
-                     Mxfp4Tile(16, 64, 128, 4, 3, swap=True, asm_decode=True)):
+        for tile, max_scale in ((Mxfp4Tile(128, 64, 64, 4, 3, swap=True, split_x=True, asm_decode=True), None),
+                                (Mxfp4Tile(16, 64, 128, 4, 3, swap=True, asm_decode=True), None),
+                                (Mxfp4Tile(16, 64, 128, 4, 3, swap=True, asm_decode=True), 127)):
             with capture(target) as recorder:
-                moe_experts_mxfp4(x, w13p, w13s, w2p, w2s, wts, ids, "situ", 4.0, 25.0, tile=tile)
+                moe_experts_mxfp4(x, w13p, w13s, w2p, w2s, wts, ids, "situ", 4.0, 25.0, tile=tile,
+                                  max_scale=max_scale)
             for _, launch in recorder.launches:
                 if "swap" in str(launch.fn):
                     result = compile_launch(launch, target)
@@ -181,4 +210,4 @@ def test_asm_tiles_compile_for_sm90_without_spills():
     env["PYTHONPATH"] = str(root)
     run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["ok"] * 4, run.stdout[-2000:]
+    assert run.stdout.split() == ["ok"] * 6, run.stdout[-2000:]

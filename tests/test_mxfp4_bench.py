@@ -27,7 +27,7 @@ def test_a_failing_check_prints_no_speedup(tmp_path, monkeypatch):
     def load(target):
         fn = real(target)
         if target == "kernels.triton.moe_mxfp4:moe_experts_mxfp4":
-            return lambda *args: torch.zeros_like(fn(*args))            # a wrong kernel
+            return lambda *args, **kw: torch.zeros_like(fn(*args, **kw))  # a wrong kernel
         return fn
 
     monkeypatch.setattr(moe_mxfp4_bench, "load", load)

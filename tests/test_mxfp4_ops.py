@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from k3core.model.mxfp4 import dequantize_mxfp4
+from k3core.model.mxfp4 import dequantize_mxfp4, max_scale_of
 from kernels.torch.moe import moe_experts
 from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
@@ -225,12 +225,12 @@ def test_in_register_decode_matches_dequantize_for_every_byte_and_scale(even_k):
 
 @triton.jit
 def _decode_rows_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HALF_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE_FOLD: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_N)
     expert = tl.program_id(0) * 0
     low, high = moe_mxfp4_swap._weight_rows(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
                                             rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K,
-                                            BLOCK_N, tl.float32, EVEN_K)
+                                            BLOCK_N, tl.float32, EVEN_K, SCALE_FOLD=SCALE_FOLD)
     j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)
     offsets = rows[:, None] * (num_k // 2) + j[None, :]                          # [BLOCK_N, HALF_K] of [N, K/2]
     mask = (rows < num_rows)[:, None] & (j < num_k // 2)[None, :]
@@ -254,6 +254,80 @@ def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte
                                                    BLOCK_N=16, EVEN_K=even_k)
     want = dequantize_mxfp4(packed, scale)
     assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+
+
+@pytest.mark.parametrize("even_k", [False, True])
+def test_folded_float16_bit_decode_matches_dequantize_for_every_byte_and_scale_up_to_the_bound(even_k):
+    """SCALE_FOLD (the op's max_scale <= 128): 2^14 folded into the scale, one multiply fewer, the same exact
+    values for all 256 bytes at every scale class the bound admits."""
+    scales = [0, 1, 2, 64, 100, 113, 119, 126, 127, moe_mxfp4_swap.FOLD_MAX_SCALE]
+    num_k = 512
+    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
+    scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
+    scale[:, 1::2] = 127
+    low = torch.full((len(scales), num_k // 2), float("nan"))
+    high = torch.full_like(low, float("nan"))
+    _decode_rows_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32,
+                                                   BLOCK_N=16, EVEN_K=even_k, SCALE_FOLD=True)
+    want = dequantize_mxfp4(packed, scale)
+    assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+
+
+def test_a_scale_bound_folds_the_decode_and_changes_no_result():
+    """max_scale (measured at load, `max_scale_of`) at most 128: the swap kernels fold their decode constant and
+    give the same bits as without the bound; above 128, or None, nothing is folded; the reference refuses a bound
+    the scales break, and a bound that is not a byte is refused by name."""
+    gen = torch.Generator().manual_seed(21)
+    tokens, width, inter, experts, top_k = 23, 96, 64, 4, 2
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    w13_scale[0, :3, 0] = 0                                             # 2^-127 and the bound itself
+    w2_scale[1, 5, 1] = moe_mxfp4_swap.FOLD_MAX_SCALE
+    bound = max_scale_of(w13_scale, w2_scale)
+    assert bound == moe_mxfp4_swap.FOLD_MAX_SCALE and moe_mxfp4.scale_fold(bound)
+    assert not moe_mxfp4.scale_fold(None) and not moe_mxfp4.scale_fold(bound + 1)
+    x = torch.randn(tokens, width, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = _uneven_ids(gen, tokens, experts, top_k)
+    args = (x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", 4.0, 25.0)
+    want = _oracle(*args[:8])
+    for tile in (SWAP_TILE, SPLIT_TILE):
+        plain = moe_mxfp4.moe_experts_mxfp4(*args, tile=tile)
+        folded = moe_mxfp4.moe_experts_mxfp4(*args, tile=tile, max_scale=bound)
+        _assert_close(folded, want)
+        assert torch.equal(folded, plain)
+    assert torch.equal(reference(*args, max_scale=bound), reference(*args))
+    with pytest.raises(ValueError, match="max_scale=127 but a scale byte is 128"):
+        reference(*args, max_scale=127)
+    for bad in (256, -1, True, 12.0):
+        with pytest.raises(ValueError, match="max_scale must be None or a scale byte"):
+            moe_mxfp4.moe_experts_mxfp4(*args, max_scale=bad)
+
+
+def test_the_model_measures_the_bound_once_and_passes_it():
+    """RoutedExperts (MXFP4) measures max_scale at load and every call passes it to the op."""
+    import dataclasses
+
+    from k3core.config import ModelConfig
+    from k3core.model.ffn import RoutedExperts
+    gen = torch.Generator().manual_seed(22)
+    config = dataclasses.replace(ModelConfig.preset("k3-tiny"), expert_format="mxfp4")
+    w13_packed, w13_scale = _random_experts(gen, 3, 64, 64)
+    w2_packed, w2_scale = _random_experts(gen, 3, 64, 32)
+    w2_scale[2, 0, 0] = 131
+    weights = {"e.w13_packed": w13_packed, "e.w13_scale": w13_scale, "e.w2_packed": w2_packed,
+               "e.w2_scale": w2_scale}
+    experts = RoutedExperts(config, weights, "e.")
+    assert experts.max_scale == 131
+
+    class Ops:
+        def moe_experts_mxfp4(self, *args, **kwargs):
+            self.kwargs = kwargs
+            return reference(*args, **kwargs)
+
+    ops = Ops()
+    experts.forward(ops, torch.randn(2, 64), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.long), 0)
+    assert ops.kwargs == {"max_scale": 131}
 
 
 @triton.jit

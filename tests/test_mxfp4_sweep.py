@@ -18,8 +18,8 @@ def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monke
     def load(target):
         fn = real(target)
         if target == "kernels.triton.moe_mxfp4:moe_experts_mxfp4":
-            def op(*args, tile):                                        # the swap tile without split_x is wrong
-                out = fn(*args, tile=tile)
+            def op(*args, tile, **kw):                                  # the swap tile without split_x is wrong
+                out = fn(*args, tile=tile, **kw)
                 return torch.zeros_like(out) if tile.swap and not tile.split_x else out
             return op
         return fn

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import ModelConfig
+from k3core.model.mxfp4 import max_scale_of
 
 
 class DenseMlp:
@@ -29,6 +30,8 @@ class RoutedExperts:
         self.packed = config.expert_format == "mxfp4"
         names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if self.packed else ("w13", "w2")
         self.tensors = tuple(weights[prefix + name] for name in names)
+        # a bound on every scale byte, measured once here (the kernels may fold a constant with it)
+        self.max_scale = max_scale_of(self.tensors[1], self.tensors[3]) if self.packed else None
 
     @property
     def num_experts(self) -> int:
@@ -38,9 +41,11 @@ class RoutedExperts:
                 expert_offset: int) -> torch.Tensor:
         """x [T, De], weights/expert_ids [T, k] -> [T, De]: the op of the held format."""
         c = self.config
-        op = ops.moe_experts_mxfp4 if self.packed else ops.moe_experts
-        return op(x, *self.tensors, weights, expert_ids, c.activation, c.situ_beta, c.situ_linear_beta,
-                  expert_offset)
+        if self.packed:
+            return ops.moe_experts_mxfp4(x, *self.tensors, weights, expert_ids, c.activation, c.situ_beta,
+                                         c.situ_linear_beta, expert_offset, max_scale=self.max_scale)
+        return ops.moe_experts(x, *self.tensors, weights, expert_ids, c.activation, c.situ_beta,
+                               c.situ_linear_beta, expert_offset)
 
 
 class MoeMlp:

@@ -51,6 +51,12 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return values.flatten(-2)
 
 
+def max_scale_of(*scales: torch.Tensor) -> int:
+    """The largest E8M0 byte of the scale tensors (0 if all are empty): the `max_scale` bound the MXFP4 expert op
+    takes, measured once when the experts are loaded (one host sync per tensor)."""
+    return max((int(scale.max()) for scale in scales if scale.numel()), default=0)
+
+
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., N, K] (K a multiple of 32) -> (packed uint8 [..., N, K/2], scale uint8 [..., N, K/32]).
 

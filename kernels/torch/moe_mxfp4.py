@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from k3core.model.mxfp4 import BLOCK_SIZE, dequantize_mxfp4
+from k3core.model.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, max_scale_of
 from kernels.torch._dtypes import compute_dtype
 from kernels.torch.activation import glu_activation
 
@@ -41,13 +41,20 @@ def check_mxfp4_experts(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: to
 def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                       w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
                       situ_beta: float | None, situ_linear_beta: float | None,
-                      expert_offset: int = 0) -> torch.Tensor:
+                      expert_offset: int = 0, *, max_scale: int | None = None) -> torch.Tensor:
     """x [T, D], MXFP4 w13 [E, 2I, D] and w2 [E, D, I] (packed + scale), weights/expert_ids [T, k] -> y [T, D].
 
     y_t = sum_j weights[t, j] * W2_e act(W13_e x_t), e = expert_ids[t, j] - expert_offset, ids outside
     [expert_offset, expert_offset + E) contribute nothing; one host sync per call for the per-expert counts.
+    `max_scale` is the caller's bound on every scale byte (kernels may use it; the result does not depend on it):
+    checked here, so that a wrong bound fails on the CPU instead of giving wrong numbers on a GPU.
     """
     hidden, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
+    if max_scale is not None:
+        largest = max_scale_of(w13_scale, w2_scale)
+        if largest > max_scale:
+            raise ValueError(f"moe_experts_mxfp4: max_scale={max_scale} but a scale byte is {largest}; pass "
+                             "the bound the scales have (max_scale_of) or None")
     num_experts = w13_packed.shape[0]
     dtype = compute_dtype(x, weights)
     y = torch.zeros(x.shape[0], hidden, dtype=dtype, device=x.device)                  # [T, D]

@@ -40,7 +40,7 @@ from kernels.triton.activation import check_activation, glu_f32
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
-from kernels.triton.moe_mxfp4_swap import _down_swap_kernel, _gate_up_swap_kernel
+from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.tuning_ops import current_arch, target
 
 PAIR_BUFFER_BYTES = 1 << 30
@@ -263,9 +263,19 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _scaled(tile: Mxfp4Tile) -> dict:
-    return ({"SCALED": tile.scaled, "HALF_MATH": tile.half_math, "ASM_DECODE": tile.asm_decode} if tile.swap
-            else {})
+def _scaled(tile: Mxfp4Tile, scale_fold: bool) -> dict:
+    """The swap kernels' decode switches (SCALE_FOLD: the decode's own decodes only, not tl.dot_scaled's)."""
+    return ({"SCALED": tile.scaled, "HALF_MATH": tile.half_math, "ASM_DECODE": tile.asm_decode,
+             "SCALE_FOLD": scale_fold and not tile.scaled} if tile.swap else {})
+
+
+def scale_fold(max_scale: int | None) -> bool:
+    """Whether a call's scale bound lets the swap kernels fold their decode constant into the scale."""
+    if max_scale is None:
+        return False
+    if isinstance(max_scale, bool) or not isinstance(max_scale, int) or not 0 <= max_scale <= 255:
+        raise ValueError(f"moe_experts_mxfp4: max_scale must be None or a scale byte 0-255, got {max_scale!r}")
+    return max_scale <= FOLD_MAX_SCALE
 
 
 def _check_tile(tile: Mxfp4Tile) -> None:
@@ -311,8 +321,9 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
             activation: str, situ_beta: float | None, situ_linear_beta: float | None,
-            tile: Mxfp4Tile) -> torch.Tensor:
-    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten)."""
+            tile: Mxfp4Tile, fold: bool = False) -> torch.Tensor:
+    """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten).
+    `fold`: every scale byte is <= FOLD_MAX_SCALE (`scale_fold`)."""
     _check_tile(tile)
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
@@ -344,12 +355,12 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold))
     return hidden
 
 
 def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, blocks: ExpertBlocks,
-         tile: Mxfp4Tile) -> torch.Tensor:
+         tile: Mxfp4Tile, fold: bool = False) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
     _check_tile(tile)
     _check_dtype(tile, hidden)
@@ -373,17 +384,20 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile))
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold))
     return rows_out
 
 
 def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
                       w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
                       situ_beta: float | None, situ_linear_beta: float | None,
-                      expert_offset: int = 0, *, tile: Mxfp4Tile | None = None) -> torch.Tensor:
+                      expert_offset: int = 0, *, max_scale: int | None = None,
+                      tile: Mxfp4Tile | None = None) -> torch.Tensor:
     """The op (see `kernels.torch.moe_mxfp4`); `tile` fixes the launch shape (sweeps and tests), else
-    `mxfp4_tile` picks it per token chunk."""
+    `mxfp4_tile` picks it per token chunk. `max_scale` (a bound on every scale byte, trusted: checking it here
+    would cost a host sync per call) at most FOLD_MAX_SCALE lets the swap kernels fold their decode constant."""
     check_activation(activation, situ_beta)
+    fold = scale_fold(max_scale)
     hidden_dim, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
     x, w13_packed, w13_scale, w2_packed, w2_scale = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13_packed, w13_scale, w2_packed, w2_scale))
@@ -400,8 +414,8 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
         chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype)
         blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
         hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
-                         situ_linear_beta, chunk_tile)
-        rows_out = down(hidden, w2_packed, w2_scale, blocks, chunk_tile)
+                         situ_linear_beta, chunk_tile, fold)
+        rows_out = down(hidden, w2_packed, w2_scale, blocks, chunk_tile, fold)
         combine_expert_rows(rows_out, blocks.row_of_pair, weights[start:end], ids, expert_offset, num_experts,
                             out[start:end])
     return out

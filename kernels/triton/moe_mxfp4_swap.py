@@ -45,10 +45,36 @@ def _e8m0_bf16(scale):
     return _e8m0_bf16_bits(scale).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+# SCALE_FOLD: every scale byte of the call is at most FOLD_MAX_SCALE (the op's `max_scale`, measured at load), so
+# the decode's constant factor (2^126 for bf16 codes, 2^14 for float16 ones) folds into the scale: 2^(byte - 1)
+# is a normal bf16 for byte <= 128, 2^(byte - 113) a normal float32, and each product is the same exact
+# code * 2^(byte - 127) as with two multiplies, one multiply per code (or bf16 pair) fewer. Checkpoint scales sit
+# far below (weights of magnitude <= 12 need byte <= 128; K3's are near 2^-8, byte ~119).
+FOLD_MAX_SCALE = 128
+
+
+@triton.jit
+def _e8m0_bf16_folded_bits(scale):
+    """int32 scale bytes <= FOLD_MAX_SCALE -> the int32 bits of bf16 2^(byte - 1): 2^126 x the E8M0 scale."""
+    return (scale + 126) << 7
+
+
+@triton.jit
+def _e8m0_f32_folded(scale):
+    """int32 scale bytes <= FOLD_MAX_SCALE -> float32 2^(byte - 113): 2^14 x the E8M0 scale."""
+    return ((scale + 14) << 23).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _f16_code(bits):
     """int32 float16 bit patterns of code * 2^-14 -> the code as float32 (exact)."""
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return _f16_code_scaled(bits) * 16384.0
+
+
+@triton.jit
+def _f16_code_scaled(bits):
+    """int32 float16 bit patterns of code * 2^-14 -> code * 2^-14 as float32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 # Two packed bytes ($2, 16 bits) and their two bf16 scales ($3) -> the low-nibble codes ($0) and the high-nibble
@@ -62,22 +88,33 @@ def _f16_code(bits):
 # operand is what the dot's A fragment holds in one register (four bytes per call made Triton gather bytes from
 # two rows with a prmt each), 5 instructions a code in the sm_90 decode-batch gate/up loop against about 11 for the
 # float32 path.
-_ASM_PAIR_DECODE = tl.constexpr("""{
-.reg .b32 t, a, b, c126;
-mov.b32 c126, 0x7E807E80;
-cvt.u32.u16 t, $2;
-prmt.b32 t, t, 0, 0x4140;
-shl.b32 a, t, 6;  shl.b32 b, t, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $0, a, $3;
-shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;
-mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 $1, a, $3;
-}""")
+def _pair_decode_ptx(fold: bool) -> str:
+    """The asm text; `fold`: the scale operand already carries the 2^126 (SCALE_FOLD), one multiply per pair."""
+    times = ("mul.rn.bf16x2 {out}, a, $3;" if fold else "mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, $3;")
+    return "\n".join([
+        "{",
+        ".reg .b32 t, a, b, c126;",
+        "mov.b32 c126, 0x7E807E80;",
+        "cvt.u32.u16 t, $2;",
+        "prmt.b32 t, t, 0, 0x4140;",
+        "shl.b32 a, t, 6;  shl.b32 b, t, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;",
+        times.format(out="$0"),
+        "shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;",
+        times.format(out="$1"),
+        "}"])
+
+
+_ASM_PAIR_DECODE = tl.constexpr(_pair_decode_ptx(fold=False))
+_ASM_PAIR_DECODE_FOLDED = tl.constexpr(_pair_decode_ptx(fold=True))
 
 
 @triton.jit
-def _asm_pair_decode(byte, scale_bf16):
+def _asm_pair_decode(byte, scale_bf16, SCALE_FOLD: tl.constexpr = False):
     """uint8 code bytes and bf16 scales (same shape) -> (low nibbles, high nibbles) x scale in bf16: NVIDIA PTX
-    (sm_90+: mul.rn.bf16x2), two bytes per call."""
+    (sm_90+: mul.rn.bf16x2), two bytes per call. SCALE_FOLD: the scales are 2^126 x E8M0 (one multiply fewer)."""
+    if SCALE_FOLD:
+        return tl.inline_asm_elementwise(_ASM_PAIR_DECODE_FOLDED, "=r,=r,h,r", [byte, scale_bf16],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     return tl.inline_asm_elementwise(_ASM_PAIR_DECODE, "=r,=r,h,r", [byte, scale_bf16],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
 
@@ -86,11 +123,12 @@ def _asm_pair_decode(byte, scale_bf16):
 def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                  scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False,
-                 ASM_DECODE: tl.constexpr = False):
+                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False):
     """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
     [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
     of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
-    load; the row mask is constant along them."""
+    load; the row mask is constant along them. SCALE_FOLD: every scale byte is <= FOLD_MAX_SCALE (one multiply
+    per code or pair fewer, the same values)."""
     j = tl.arange(0, HALF_K)
     if EVEN_K:
         mask = row_mask[:, None]                                        # broadcast: constant along K
@@ -107,10 +145,17 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
     scale_byte = tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32)
     if ASM_DECODE:
-        scale_bf16 = tl.reshape(tl.broadcast_to(_e8m0_bf16(scale_byte)[:, :, None], (BLOCK_N, GROUPS, 16)),
-                                (BLOCK_N, HALF_K))
-        return _asm_pair_decode(raw, scale_bf16)
-    scale = _e8m0_f32(scale_byte)
+        if SCALE_FOLD:
+            scale_bits = _e8m0_bf16_folded_bits(scale_byte)
+        else:
+            scale_bits = _e8m0_bf16_bits(scale_byte)
+        scale_bf16 = scale_bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        scale_bf16 = tl.reshape(tl.broadcast_to(scale_bf16[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
+        return _asm_pair_decode(raw, scale_bf16, SCALE_FOLD)
+    if SCALE_FOLD:
+        scale = _e8m0_f32_folded(scale_byte)                            # 2^14 x the scale
+    else:
+        scale = _e8m0_f32(scale_byte)
     byte = raw.to(tl.int32)
     low_bits = ((byte & 7) << 9) | ((byte & 8) << 12)
     high_bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
@@ -119,10 +164,14 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
         # a power of two, 2^-127 a bf16 subnormal), two elements per instruction; the same values as below
         scale_bf16 = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (BLOCK_N, GROUPS, 16)),
                                 (BLOCK_N, HALF_K))
-        low = (low_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
-        high = (high_bits.to(tl.int16).to(tl.float16, bitcast=True) * 16384.0).to(tl.bfloat16)
-        return low * scale_bf16, high * scale_bf16
+        low = low_bits.to(tl.int16).to(tl.float16, bitcast=True)
+        high = high_bits.to(tl.int16).to(tl.float16, bitcast=True)
+        if SCALE_FOLD:                                                  # code * 2^-14 widens exactly to bf16
+            return low.to(tl.bfloat16) * scale_bf16, high.to(tl.bfloat16) * scale_bf16
+        return (low * 16384.0).to(tl.bfloat16) * scale_bf16, (high * 16384.0).to(tl.bfloat16) * scale_bf16
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
+    if SCALE_FOLD:
+        return (_f16_code_scaled(low_bits) * scale).to(DTYPE), (_f16_code_scaled(high_bits) * scale).to(DTYPE)
     return (_f16_code(low_bits) * scale).to(DTYPE), (_f16_code(high_bits) * scale).to(DTYPE)
 
 
@@ -191,15 +240,16 @@ def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: t
 def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert, packed_expert_stride,
                   packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                   inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr):
+                  EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
+                  SCALE_FOLD: tl.constexpr):
     """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up)."""
     x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
     gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
-                                       HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE)
+                                       HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
     up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                    scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE)
+                                   hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
     acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
     acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
     acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
@@ -214,7 +264,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
-                         HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False):
+                         HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
+                         SCALE_FOLD: tl.constexpr = False):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -245,7 +296,7 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                                              packed_expert_stride, packed_row_stride, scale_expert_stride,
                                              scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
                                              HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
-                                             HALF_MATH, ASM_DECODE)
+                                             HALF_MATH, ASM_DECODE, SCALE_FOLD)
     hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
@@ -257,7 +308,8 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
-                      HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False):
+                      HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
+                      SCALE_FOLD: tl.constexpr = False):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
     sorted rows. SCALED: through `tl.dot_scaled`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -283,7 +335,7 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                          HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH,
-                                         ASM_DECODE)
+                                         ASM_DECODE, SCALE_FOLD)
             acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
             acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
