@@ -15,6 +15,7 @@ rather than passing quietly); a failed gate prints no speed-up.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -96,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     backend, dtype = ("cuda", "bfloat16") if device.type == "cuda" else ("torch", "float32")
     bandwidth = copy_bandwidth(device)
     prompt = list(range(3, 40))
+    import triton
+
+    from k3core.provenance import commit_under_test
+    meta = {"torch": torch.__version__, "triton": triton.__version__, "commit": commit_under_test(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     result = {"model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "copy_bytes_per_s": bandwidth, "formats": {}}
+              "meta": meta, "copy_bytes_per_s": bandwidth, "formats": {}}
     tokens = {}
     for fmt in ("bf16", "mxfp4"):
         options = dict(memory_fraction=0.05) if device.type == "cuda" else dict(memory_bytes=128 << 20)

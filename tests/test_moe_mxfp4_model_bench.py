@@ -9,6 +9,7 @@ from bench import moe_mxfp4_model
 def test_model_bench_gates_both_formats_before_reporting(tmp_path):
     assert moe_mxfp4_model.main(["--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "moe-mxfp4-model-smoke.json").read_text())
+    assert {"torch", "triton", "commit", "date"} <= set(result["meta"])            # provenance of every result
     for fmt in ("bf16", "mxfp4"):
         row = result["formats"][fmt]
         assert row["gate"]["passed"] and row["decode_step_ms_bs1"] > 0
