@@ -238,12 +238,9 @@ def _decode_rows_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_
     tl.store(high_ptr + offsets, high, mask=mask)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
-@pytest.mark.parametrize("even_k", [False, True])
-def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte_and_scale(even_k):
-    """The swap kernel's float16-bit decode (code 0.5 passes through a float16 subnormal) is bit-exact against
-    `dequantize_mxfp4` for all 256 bytes under every scale class, 0 (2^-127) and 255 (read as 254) included."""
-    scales = [0, 1, 2, 100, 113, 126, 127, 128, 200, 240, 241, 253, 254, 255]
+def _decode_every_byte(scales: list[int], even_k: bool, fold: bool) -> None:
+    """All 256 bytes under each scale byte (every other 32-column block at 127), decoded by the swap kernel's
+    float16-bit path, against `dequantize_mxfp4`: bit-exact."""
     num_k = 512
     packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
     scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
@@ -251,26 +248,24 @@ def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte
     low = torch.full((len(scales), num_k // 2), float("nan"))
     high = torch.full_like(low, float("nan"))
     _decode_rows_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32,
-                                                   BLOCK_N=16, EVEN_K=even_k)
+                                                   BLOCK_N=16, EVEN_K=even_k, SCALE_FOLD=fold)
     want = dequantize_mxfp4(packed, scale)
     assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply")   # 6 * 2^127 is inf, on both sides
+@pytest.mark.parametrize("even_k", [False, True])
+def test_float16_bit_decode_of_the_swap_kernel_matches_dequantize_for_every_byte_and_scale(even_k):
+    """The swap kernel's float16-bit decode (code 0.5 passes through a float16 subnormal) is bit-exact against
+    `dequantize_mxfp4` for all 256 bytes under every scale class, 0 (2^-127) and 255 (read as 254) included."""
+    _decode_every_byte([0, 1, 2, 100, 113, 126, 127, 128, 200, 240, 241, 253, 254, 255], even_k, fold=False)
 
 
 @pytest.mark.parametrize("even_k", [False, True])
 def test_folded_float16_bit_decode_matches_dequantize_for_every_byte_and_scale_up_to_the_bound(even_k):
     """SCALE_FOLD (the op's max_scale <= 128): 2^14 folded into the scale, one multiply fewer, the same exact
     values for all 256 bytes at every scale class the bound admits."""
-    scales = [0, 1, 2, 64, 100, 113, 119, 126, 127, moe_mxfp4_swap.FOLD_MAX_SCALE]
-    num_k = 512
-    packed = torch.arange(256, dtype=torch.uint8).repeat(len(scales), 1)
-    scale = torch.tensor(scales, dtype=torch.uint8)[:, None].repeat(1, num_k // 32)
-    scale[:, 1::2] = 127
-    low = torch.full((len(scales), num_k // 2), float("nan"))
-    high = torch.full_like(low, float("nan"))
-    _decode_rows_kernel[(triton.cdiv(num_k, 64),)](packed, scale, low, high, len(scales), num_k, HALF_K=32,
-                                                   BLOCK_N=16, EVEN_K=even_k, SCALE_FOLD=True)
-    want = dequantize_mxfp4(packed, scale)
-    assert torch.equal(low, want[:, 0::2]) and torch.equal(high, want[:, 1::2])
+    _decode_every_byte([0, 1, 2, 64, 100, 113, 119, 126, 127, moe_mxfp4_swap.FOLD_MAX_SCALE], even_k, fold=True)
 
 
 def test_a_scale_bound_folds_the_decode_and_changes_no_result():
