@@ -170,6 +170,22 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
 
 
+def test_sm90_tail_tile_only_past_one_whole_block_an_expert():
+    """The shorter tail blocks are chosen for NVIDIA bf16 prefill when the mean rows an expert exceed one block
+    (16K routed rows over 112 experts: 146), never at 8K (73: one padded block each), for fp16, or elsewhere."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    cpu = torch.device("cpu")
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        prefill = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]
+        tail = moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.bfloat16)
+        assert tail == moe_mxfp4.MXFP4_TAIL_TILES_NVIDIA["prefill"] and tail.block_m < prefill.block_m
+        moe_mxfp4._check_tile(tail)
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 8192, 112, torch.bfloat16) is None
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.float16) is None
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, moe_mxfp4.MXFP4_TILES_NVIDIA["decode"], 16, 112) is None
+    assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112) is None                 # the interpreter
+
+
 def test_empty_batch_and_shape_errors():
     gen = torch.Generator().manual_seed(14)
     w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
@@ -373,3 +389,45 @@ def test_gemv_tiles_refuse_packed_rows_off_word_boundaries():
     got = moe_mxfp4.moe_experts_mxfp4(x, shifted.clone(), w13_scale, w2_packed, w2_scale, weights, ids, "silu",
                                       4.0, 25.0, tile=GEMV_TILE)
     _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu"))
+
+
+def test_split_tail_pairs_keeps_whole_blocks_and_cuts_only_what_is_past_them():
+    """Expert 0 has 9 pairs (one whole 4-row block... twice, and 1 past), expert 1 has 4 (exactly one block), expert 2
+    has 3 (under one block: kept whole, padded), expert 3 belongs to another rank; block_m 4."""
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 5], [0, 2], [0, 1], [0, 2], [0, 1], [0, 5]])
+    whole, tail = moe_mxfp4.split_tail_pairs(ids, 0, 4, 4)
+    elsewhere = 4
+    assert torch.equal(tail[:, 0], torch.tensor([elsewhere] * 8 + [0]))          # the 9th pair of expert 0
+    assert (tail[:, 1] == elsewhere).all()
+    assert torch.equal(whole[:, 0], torch.tensor([0] * 8 + [elsewhere]))
+    assert torch.equal(whole[:, 1], ids[:, 1])                                  # expert 5 is past the rank: stays
+    with_offset = moe_mxfp4.split_tail_pairs(ids + 10, 10, 4, 4)
+    assert torch.equal(with_offset[0], whole + 10) and torch.equal(with_offset[1], tail + 10)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_two_block_heights_give_the_one_height_result(offset):
+    """Prefill's mixed heights (whole 32-row blocks plus 16-row tail blocks: the gate/up and down kernels at two
+    tiles into one row buffer) against the float64 oracle, and within float32 rounding of one height (the
+    interpreter's dot is numpy's matmul, whose summation order follows the block's row count, so bit equality is
+    not a property of the kernels here). Experts of 14-15 rows (one padded block), exactly 32, and 51 (one whole
+    block and a 19-row tail over two tail blocks); with an expert offset, another rank's pairs dropped."""
+    gen = torch.Generator().manual_seed(33)
+    tokens, width, inter, experts, top_k = 44, 96, 64, 5, 3
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    x = torch.randn(tokens, width, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.full((tokens, top_k), offset + 4)
+    ids[:, 0] = offset + torch.arange(tokens) % 3                               # experts 0-2: 14-15 rows
+    ids[:32, 1] = offset + 3                                                    # expert 3: exactly one block
+    ids[:5, 2] = offset + 7                                                     # another rank's expert
+    args = (x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", 4.0, 25.0, offset)
+    tile = SPLIT_TILE._replace(block_m=32)
+    one = moe_mxfp4.moe_experts_mxfp4(*args, tile=tile)
+    two = moe_mxfp4.moe_experts_mxfp4(*args, tile=tile, tail_tile=SPLIT_TILE)
+    want = _oracle(*args[:8], offset=offset)
+    _assert_close(two, want)
+    assert (two - one).abs().max() <= 1e-5 * want.abs().max()                  # float32 rounding, not a lost row
+    _, cut = moe_mxfp4.split_tail_pairs(ids, offset, experts, tile.block_m)
+    assert (cut == offset + 4).sum() == 51 - 32 and ((cut == offset + 4) | (cut == offset + experts)).all()

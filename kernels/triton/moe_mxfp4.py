@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
-from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, sort_pairs_by_expert
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
@@ -93,6 +93,15 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 }
 
 
+# Mixed block heights at prefill: with more than BLOCK_M routed rows an expert on average, each expert's rows past
+# its last whole 128-row block go to one shorter block (this tile) instead of a second 128-row block, so that the
+# MMA does about the real rows (146 an expert at 16K routed rows: 128 + 64 = 192 rows, not 256) with the same two
+# decodes of the expert's weights. Experts under one block keep their one padded 128-row block.
+MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+}
+
 # sm_100 and gfx950 (bf16 / fp16 activations): `tl.dot_scaled` on the packed bytes, the brief's "native MXFP4"
 # targets. With bf16 activations Triton 3.6 lowers it there by upcasting the e2m1 operand in its own decode
 # (fp4_to_fp on sm_100, amdg.scaled_upcast_fp on gfx950, in the offline TTGIR): both MMA operands must be MX
@@ -141,6 +150,19 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
     return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
                      num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
 
+
+
+def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_experts: int,
+                    dtype: torch.dtype | None = None) -> Mxfp4Tile | None:
+    """The shorter block for each expert's rows past its whole `tile` blocks (`MXFP4_TAIL_TILES_NVIDIA`), or None
+    (one height): NVIDIA bf16 prefill only, and only when the mean rows an expert exceed one block (knowing that
+    some expert does would cost a host sync)."""
+    if target(device) != "nvidia" or dtype not in (None, torch.bfloat16) or current_arch() in DOT_SCALED_ARCHES:
+        return None
+    tail = MXFP4_TAIL_TILES_NVIDIA.get(mxfp4_row_class(num_pairs, num_experts))
+    if tail is None or num_pairs <= tile.block_m * max(1, num_experts):
+        return None
+    return tail
 
 @triton.jit
 def _e2m1_f32(codes):
@@ -360,14 +382,19 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
 
 
 def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, blocks: ExpertBlocks,
-         tile: Mxfp4Tile, fold: bool = False) -> torch.Tensor:
-    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten)."""
+         tile: Mxfp4Tile, fold: bool = False, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten), into
+    `rows_out` when given (a contiguous float32 view of that shape)."""
     _check_tile(tile)
     _check_dtype(tile, hidden)
     num_experts, hidden_dim, _ = w2_packed.shape
     inter_dim = hidden.shape[1]
     num_blocks = blocks.block_experts.numel()
-    rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
+    if rows_out is None:
+        rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
+    elif rows_out.shape != (num_blocks * tile.block_m, hidden_dim) or rows_out.dtype != torch.float32:
+        raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.block_m, hidden_dim)}, "
+                         f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     if tile.gemv:
         words = _words(w2_packed)
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
@@ -392,10 +419,12 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
                       w2_scale: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, activation: str,
                       situ_beta: float | None, situ_linear_beta: float | None,
                       expert_offset: int = 0, *, max_scale: int | None = None,
-                      tile: Mxfp4Tile | None = None) -> torch.Tensor:
-    """The op (see `kernels.torch.moe_mxfp4`); `tile` fixes the launch shape (sweeps and tests), else
-    `mxfp4_tile` picks it per token chunk. `max_scale` (a bound on every scale byte, trusted: checking it here
-    would cost a host sync per call) at most FOLD_MAX_SCALE lets the swap kernels fold their decode constant."""
+                      tile: Mxfp4Tile | None = None, tail_tile: Mxfp4Tile | None = None) -> torch.Tensor:
+    """The op (see `kernels.torch.moe_mxfp4`); `tile` (and `tail_tile`) fix the launch shapes (sweeps and tests),
+    else `mxfp4_tile` and `mxfp4_tail_tile` pick them per token chunk. With a tail tile each expert's rows past its
+    whole `tile` blocks run in `tail_tile` blocks (`split_tail_pairs`). `max_scale` (a bound on every scale byte,
+    trusted: checking it here would cost a host sync per call) at most FOLD_MAX_SCALE lets the swap kernels fold
+    their decode constant."""
     check_activation(activation, situ_beta)
     fold = scale_fold(max_scale)
     hidden_dim, _ = check_mxfp4_experts(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids)
@@ -412,10 +441,57 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
         chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype)
-        blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
-        hidden = gate_up(x[start:end], w13_packed, w13_scale, blocks, top_k, activation, situ_beta,
-                         situ_linear_beta, chunk_tile, fold)
-        rows_out = down(hidden, w2_packed, w2_scale, blocks, chunk_tile, fold)
-        combine_expert_rows(rows_out, blocks.row_of_pair, weights[start:end], ids, expert_offset, num_experts,
+        chunk_tail = tail_tile if tile is not None else mxfp4_tail_tile(x.device, chunk_tile, ids.numel(),
+                                                                         num_experts, x.dtype)
+        args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
+                situ_linear_beta, fold)
+        if chunk_tail is None:
+            blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
+            rows_out, row_of_pair = _expert_rows(*args, blocks, chunk_tile), blocks.row_of_pair
+        else:
+            rows_out, row_of_pair = _two_height_rows(*args, ids, expert_offset, num_experts, chunk_tile, chunk_tail)
+        combine_expert_rows(rows_out, row_of_pair, weights[start:end], ids, expert_offset, num_experts,
                             out[start:end])
     return out
+
+
+def _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta,
+                 fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+    hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold)
+    return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out)
+
+
+def split_tail_pairs(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole, tail) expert ids [T, k]: a pair is in `tail` when its expert has more than `block_m` local pairs and
+    it is past the expert's last whole block (by pair index, as the stable sort orders them); the other side holds
+    `expert_offset + num_experts` there (another rank's expert: dropped by the grouping). Experts with at most one
+    block keep every pair whole, so nothing is cut into shorter blocks below one full one. On the device, no sync."""
+    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
+    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))                  # [E]
+    whole = torch.where(counts > block_m, counts // block_m * block_m, counts)      # [E] pairs in whole blocks
+    safe_key = sorted_key.clamp(max=num_experts - 1)
+    rank = torch.arange(order.numel(), device=order.device) - (count_end - counts)[safe_key]
+    tail_sorted = (sorted_key < num_experts) & (rank >= whole[safe_key])
+    tail = torch.empty_like(tail_sorted).scatter_(0, order, tail_sorted).view(expert_ids.shape)
+    elsewhere = torch.full_like(expert_ids, expert_offset + num_experts)
+    return torch.where(tail, elsewhere, expert_ids), torch.where(tail, expert_ids, elsewhere)
+
+
+def _two_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
+                     situ_linear_beta, fold, expert_ids, expert_offset: int, num_experts: int, tile: Mxfp4Tile,
+                     tail_tile: Mxfp4Tile) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both GEMMs over the whole blocks in `tile` and the tails in `tail_tile`, into one row buffer (whole rows
+    first): the rows and each pair's row in it."""
+    whole_ids, tail_ids = split_tail_pairs(expert_ids, expert_offset, num_experts, tile.block_m)
+    whole = group_pairs_by_expert(whole_ids, expert_offset, num_experts, tile.block_m)
+    tail = group_pairs_by_expert(tail_ids, expert_offset, num_experts, tail_tile.block_m)
+    whole_rows = whole.block_experts.numel() * tile.block_m
+    rows_out = torch.empty(whole_rows + tail.block_experts.numel() * tail_tile.block_m, w2_packed.shape[1],
+                           dtype=torch.float32, device=x.device)
+    args = (x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta, fold)
+    _expert_rows(*args, whole, tile, rows_out[:whole_rows])
+    _expert_rows(*args, tail, tail_tile, rows_out[whole_rows:])
+    # a pair is in exactly one side; the other side marks it with its own capacity (past its rows)
+    row_of_pair = torch.where(whole.row_of_pair < whole_rows, whole.row_of_pair, whole_rows + tail.row_of_pair)
+    return rows_out, row_of_pair
