@@ -94,11 +94,12 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 
 
 # Mixed block heights at prefill: with more than BLOCK_M routed rows an expert on average, each expert's rows past
-# its last whole 128-row block go to one shorter block (this tile) instead of a second 128-row block, so that the
-# MMA does about the real rows (146 an expert at 16K routed rows: 128 + 64 = 192 rows, not 256) with the same two
-# decodes of the expert's weights. Experts under one block keep their one padded 128-row block.
+# its last whole 128-row block go to shorter blocks (this tile) instead of a second 128-row block, so that the MMA
+# does about the real rows (146 an expert at 16K routed rows: 128 + 32 or 64, not 256). Experts under one block keep
+# their one padded 128-row block. H200 at 92cbc45, K3's shapes, 16K routed rows (bench/results/moe-mxfp4-*):
+# one height 6.27 ms (0.54x the bf16 experts), 64-row tails 5.79 ms (0.59x), 32-row tails 5.24 ms (0.65x).
 MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+    "prefill": Mxfp4Tile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
                          scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
 }
 
