@@ -46,6 +46,14 @@ def _random_experts(gen: torch.Generator, experts: int, rows: int, cols: int) ->
     return packed, scale
 
 
+def _problem(gen: torch.Generator, tokens: int, width: int, inter: int, experts: int, top_k: int) -> tuple:
+    """(w13_packed, w13_scale, w2_packed, w2_scale, x, weights): random experts and inputs of these sizes."""
+    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
+    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
+    return (w13_packed, w13_scale, w2_packed, w2_scale, torch.randn(tokens, width, generator=gen),
+            torch.rand(tokens, top_k, generator=gen))
+
+
 def _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, expert_ids, activation, offset=0):
     w13 = dequantize_mxfp4(w13_packed, w13_scale, torch.float64)
     w2 = dequantize_mxfp4(w2_packed, w2_scale, torch.float64)
@@ -77,11 +85,8 @@ CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", 
 def test_uneven_experts_and_k_not_a_multiple_of_the_block(provider, activation):
     # D = 96 and I = 96 are multiples of the 32-column scale group but not of the kernel's 64-column K step
     gen = torch.Generator().manual_seed(11)
-    tokens, width, inter, experts, top_k = 41, 96, 96, 5, 2
-    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
-    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
-    x = torch.randn(tokens, width, generator=gen)
-    weights = torch.rand(tokens, top_k, generator=gen)
+    tokens, experts, top_k = 41, 5, 2
+    w13_packed, w13_scale, w2_packed, w2_scale, x, weights = _problem(gen, tokens, 96, 96, experts, top_k)
     ids = _uneven_ids(gen, tokens, experts, top_k)
     fn = reference if provider == "reference" else moe_mxfp4.moe_experts_mxfp4
     tile = {"tile": TILES[provider]} if TILES.get(provider) else {}
@@ -413,11 +418,8 @@ def test_two_block_heights_give_the_one_height_result(offset):
     not a property of the kernels here). Experts of 14-15 rows (one padded block), exactly 32, and 51 (one whole
     block and a 19-row tail over two tail blocks); with an expert offset, another rank's pairs dropped."""
     gen = torch.Generator().manual_seed(33)
-    tokens, width, inter, experts, top_k = 44, 96, 64, 5, 3
-    w13_packed, w13_scale = _random_experts(gen, experts, 2 * inter, width)
-    w2_packed, w2_scale = _random_experts(gen, experts, width, inter)
-    x = torch.randn(tokens, width, generator=gen)
-    weights = torch.rand(tokens, top_k, generator=gen)
+    tokens, experts, top_k = 44, 5, 3
+    w13_packed, w13_scale, w2_packed, w2_scale, x, weights = _problem(gen, tokens, 96, 64, experts, top_k)
     ids = torch.full((tokens, top_k), offset + 4)
     ids[:, 0] = offset + torch.arange(tokens) % 3                               # experts 0-2: 14-15 rows
     ids[:32, 1] = offset + 3                                                    # expert 3: exactly one block
