@@ -17,6 +17,11 @@ Printed last: per case the tiles by time with the speed-up over bf16 and the pac
 bandwidth, then per row class the tile with the best geometric-mean time over the class's cases, as a `paste:`
 line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json,
 rewritten after every case so that a run cut short keeps what it finished.
+
+`--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name
+(absent fields take their defaults), each optionally with "tail": the fields of the tail blocks' tile (two block
+heights, `moe_mxfp4.split_tail_pairs`); only the cases of the classes it names run. `--tokens 1,512` picks the
+cases.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +47,12 @@ SMOKE_TOKENS = (2, 40)                     # 1 and 20 rows per expert: the decod
 # the bench's bound (bench/moe_mxfp4_bench.py GPU_TOL), where both kernels measured 2.4e-3 to 3.6e-3 on the H200
 GPU_TOL, SMOKE_TOL = 2e-2, 1e-4
 ACT = ("situ", 4.0, 25.0)
+
+
+class Candidate(NamedTuple):
+    """A tile to sweep and, for two block heights, the tail blocks' tile."""
+    tile: tuple                 # an Mxfp4Tile
+    tail: tuple | None = None
 
 
 def _tiles() -> dict[str, list]:
@@ -79,14 +91,39 @@ def _tiles() -> dict[str, list]:
                tile(128, 64, 128, 4, 3, **split), tile(128, 64, 64, 4, 3, split_x=True, **asm),
                tile(128, 64, 64, 4, 4, split_x=True, **asm), tile(128, 64, 128, 4, 3, split_x=True, **asm),
                tile(64, 64, 128, 4, 3, split_x=True, **asm)]
-    return {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
+    classes = {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
+    return {name: [Candidate(t) for t in tiles] for name, tiles in classes.items()}
 
 
 def _smoke_tiles() -> dict[str, list]:
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     tiles = [tile(16, 32, 64, 1, 1), tile(16, 32, 64, 1, 1, swap=True), tile(16, 32, 64, 1, 1, True, True),
              tile(1, 32, 64, 1, 1, gemv=True)]
-    return {"decode": tiles, "decode_batch": tiles, "mid": tiles, "prefill": tiles}
+    return {name: [Candidate(t) for t in tiles] for name in ("decode", "decode_batch", "mid", "prefill")}
+
+
+def tiles_from(path: str) -> dict[str, list]:
+    """`--tiles FILE`'s candidates by row class (see the module docstring), refused by name when malformed."""
+    tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    classes = [name for _, name in load("kernels.triton.moe_mxfp4:MXFP4_ROW_CLASSES")]
+    spec = json.loads(Path(path).read_text())
+    if not isinstance(spec, dict) or not spec:
+        raise SystemExit(f"--tiles {path}: expected a JSON object from row class ({', '.join(classes)}) to a list "
+                         "of tiles")
+    out = {}
+    for name, entries in spec.items():
+        if name not in classes:
+            raise SystemExit(f"--tiles {path}: unknown row class {name!r}; choose from {', '.join(classes)}")
+        out[name] = []
+        for entry in entries:
+            fields = {k: v for k, v in entry.items() if k != "tail"}
+            try:
+                tail = tile_type(**entry["tail"]) if "tail" in entry else None
+                out[name].append(Candidate(tile_type(**fields), tail))
+            except TypeError as exc:
+                raise SystemExit(f"--tiles {path}: {name} entry {entry}: {exc} (fields: "
+                                 f"{', '.join(tile_type._fields)})") from None
+    return out
 
 
 @dataclass
@@ -101,6 +138,7 @@ class Result:
     speedup: float | None       # bf16 ms / this ms
     copy_fraction: float | None  # packed bytes read (codes + scales of the touched experts, x in, y out) / time
     note: str = ""
+    tail: list | None = None    # the tail blocks' tile (two block heights), Mxfp4Tile fields in order
 
 
 class ExtremesCheck:
@@ -122,17 +160,17 @@ class ExtremesCheck:
         self.max_scale = args["max_scale"]                      # 255: these scales cannot fold
         reference = load("kernels.torch.moe_mxfp4:moe_experts_mxfp4")
         self.want = reference(self.x.double(), *self.rest, self.weights.double(), self.ids, *ACT).cpu()
-        self.done: dict[tuple, float] = {}
+        self.done: dict[Candidate, float] = {}
 
-    def worst(self, op, tile) -> float:
+    def worst(self, op, candidate: Candidate) -> float:
         """max |op - reference| / (atol + rtol |reference|): <= 1 passes."""
-        if tuple(tile) not in self.done:
-            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=tile,
-                     max_scale=self.max_scale).double().cpu()
+        if candidate not in self.done:
+            got = op(self.x, *self.rest, self.weights, self.ids, *ACT, tile=candidate.tile,
+                     tail_tile=candidate.tail, max_scale=self.max_scale).double().cpu()
             bound = self.tolerance.atol + self.tolerance.rtol * self.want.abs()
-            self.done[tuple(tile)] = (float(((got - self.want).abs() / bound).max()) if torch.isfinite(got).all()
-                                      else math.inf)
-        return self.done[tuple(tile)]
+            self.done[candidate] = (float(((got - self.want).abs() / bound).max()) if torch.isfinite(got).all()
+                                    else math.inf)
+        return self.done[candidate]
 
 
 def _is_decode(row_class: str) -> bool:
@@ -174,80 +212,89 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
     print(f"{label}: {tokens * top_k} routed rows, {touched} experts, bf16 {bf16_ms:.4f} ms "
           f"(error {bf16_error:.1e})", flush=True)
     results = []
-    for tile in tiles:
-        def call(tile=tile):
-            return mxfp4_op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, *ACT, tile=tile, max_scale=bound)
+    for candidate in tiles:
+        tile, tail = candidate
+        name = f"{tuple(tile)}" + (f" + tail {tuple(tail)}" if tail is not None else "")
+        extra = dict(tail=list(tail) if tail is not None else None)
+
+        def call(tile=tile, tail=tail):
+            return mxfp4_op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, *ACT, tile=tile, tail_tile=tail,
+                            max_scale=bound)
         started = time.perf_counter()
         try:
             error = _relative_error(call(), want)
-            extreme = extremes.worst(mxfp4_op, tile)
+            extreme = extremes.worst(mxfp4_op, candidate)
         except Exception as exc:  # noqa: BLE001  (a tile that cannot compile or launch is a finding, not a crash)
             results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
-                                  f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"))
-            print(f"  {tuple(tile)}: error {results[-1].note}", flush=True)
+                                  f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}", **extra))
+            print(f"  {name}: error {results[-1].note}", flush=True)
             continue
         if not error <= tolerance:
             results.append(Result(label, row_class, tokens, list(tile), "check failed", error, None, None, None,
-                                  f"error {error:.2e} > {tolerance:.0e}: not timed"))
-            print(f"  {tuple(tile)}: CHECK FAILED ({error:.2e}), not timed", flush=True)
+                                  f"error {error:.2e} > {tolerance:.0e}: not timed", **extra))
+            print(f"  {name}: CHECK FAILED ({error:.2e}), not timed", flush=True)
             continue
         if not extreme <= 1.0:
             results.append(Result(label, row_class, tokens, list(tile), "extremes failed", error, None, None, None,
-                                  f"extreme scales at {extreme:.2f}x the conformance bound: not timed"))
-            print(f"  {tuple(tile)}: EXTREMES CHECK FAILED ({extreme:.2f}x the bound), not timed", flush=True)
+                                  f"extreme scales at {extreme:.2f}x the conformance bound: not timed", **extra))
+            print(f"  {name}: EXTREMES CHECK FAILED ({extreme:.2f}x the bound), not timed", flush=True)
             continue
         ms = timed(call).ms
         fraction = packed_bytes / (ms * 1e-3) / (copy_tbps * 1e12)
         results.append(Result(label, row_class, tokens, list(tile), "ok", error, ms, bf16_ms / ms, fraction,
                               f"extremes {extreme:.2f}x bound; first call + checks "
-                              f"{time.perf_counter() - started:.1f} s"))
-        print(f"  {tuple(tile)}: {ms:.4f} ms, {bf16_ms / ms:.2f}x bf16, {fraction:.1%} of copy, error {error:.1e}",
+                              f"{time.perf_counter() - started:.1f} s", **extra))
+        print(f"  {name}: {ms:.4f} ms, {bf16_ms / ms:.2f}x bf16, {fraction:.1%} of copy, error {error:.1e}",
               flush=True)
     return results, bf16_ms
 
 
-def _winners(results: list[Result]) -> dict[str, tuple[list, float, int]]:
-    """Per row class: the tile with the best geometric-mean time over the class's cases, among tiles timed in all
-    of them -> (tile, geometric-mean ms, cases)."""
+def _winners(results: list[Result]) -> dict[str, tuple[list, float, int, list | None]]:
+    """Per row class: the tile (with its tail tile, if any) with the best geometric-mean time over the class's
+    cases, among those timed in all of them -> (tile, geometric-mean ms, cases, tail tile or None)."""
     by_class: dict[str, dict[tuple, list[float]]] = {}
     cases: dict[str, set] = {}
     for r in results:
         cases.setdefault(r.row_class, set()).add(r.case)
         if r.status == "ok":
-            by_class.setdefault(r.row_class, {}).setdefault(tuple(r.tile), []).append(r.ms)
+            key = (tuple(r.tile), tuple(r.tail) if r.tail else None)
+            by_class.setdefault(r.row_class, {}).setdefault(key, []).append(r.ms)
     winners = {}
     for row_class, tiles in by_class.items():
         full = {t: ms for t, ms in tiles.items() if len(ms) == len(cases[row_class])}
         if full:
             best = min(full, key=lambda t: sum(math.log(m) for m in full[t]))
-            winners[row_class] = (list(best), math.exp(sum(math.log(m) for m in full[best]) / len(full[best])),
-                                  len(full[best]))
+            winners[row_class] = (list(best[0]), math.exp(sum(math.log(m) for m in full[best]) / len(full[best])),
+                                  len(full[best]), list(best[1]) if best[1] else None)
     return winners
+
+
+def _constructor(tile) -> str:
+    """'Mxfp4Tile(block_m=..., ...)' with every field by name, as the tables spell them."""
+    return "Mxfp4Tile(" + ", ".join(f"{k}={v}" for k, v in tile._asdict().items()) + ")"
 
 
 def summary(results: list[Result], bf16: dict[str, float]) -> str:
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
-    lines = ["| case | tile (m, n, k, warps, stages, swap, split_x, scaled, half_math, gemv, prefetch, asm_decode) | ms | vs bf16 "
-             "| packed of copy | error |",
+    fields = ", ".join(["m", "n", "k", "warps", "stages", *tile_type._fields[5:]])
+    lines = [f"| case | tile ({fields}) | ms | vs bf16 | packed of copy | error |",
              "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(r.case for r in results):
         rows = sorted((r for r in results if r.case == case), key=lambda r: (r.ms is None, r.ms or 0))
         lines.append(f"| {case} | bf16 moe_experts | {bf16[case]:.4f} | 1.00x | | |")
         for r in rows:
+            name = f"{tuple(r.tile)}" + (f" + tail {tuple(r.tail)}" if r.tail else "")
             if r.status == "ok":
-                lines.append(f"| {case} | {tuple(r.tile)} | {r.ms:.4f} | {r.speedup:.2f}x | {r.copy_fraction:.1%} "
+                lines.append(f"| {case} | {name} | {r.ms:.4f} | {r.speedup:.2f}x | {r.copy_fraction:.1%} "
                              f"| {r.error:.1e} |")
             else:
-                lines.append(f"| {case} | {tuple(r.tile)} | {r.status} | | | {r.note} |")
+                lines.append(f"| {case} | {name} | {r.status} | | | {r.note} |")
     lines.append("")
-    for row_class, (tile, ms, count) in _winners(results).items():
-        t = tile_type(*tile)
+    for row_class, (tile, ms, count, tail) in _winners(results).items():
         lines.append(f"{row_class}: best over {count} case(s), geometric mean {ms:.4f} ms")
-        lines.append(f'  paste: "{row_class}": Mxfp4Tile(block_m={t.block_m}, block_n={t.block_n}, '
-                     f"block_k={t.block_k}, num_warps={t.num_warps}, num_stages={t.num_stages}, swap={t.swap}, "
-                     f"split_x={t.split_x}, scaled={t.scaled}, half_math={t.half_math}, gemv={t.gemv}, "
-                     f"asm_decode={t.asm_decode}, "
-                     f"prefetch={t.prefetch}),")
+        lines.append(f'  paste: "{row_class}": {_constructor(tile_type(*tile))},')
+        if tail:
+            lines.append(f'  paste into MXFP4_TAIL_TILES_NVIDIA: "{row_class}": {_constructor(tile_type(*tail))},')
     return "\n".join(lines)
 
 
@@ -257,6 +304,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--out", default=None, help="directory for the JSON results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (comma-separated)")
+    parser.add_argument("--tiles", default=None, help="JSON file of candidates by row class (replaces the built-in "
+                        "lists; only those classes' cases run)")
+    parser.add_argument("--tokens", default=None, help="comma-separated token counts (default: the built-in cases)")
     args = parser.parse_args(argv)
     require_interpreter(args.smoke, "bench.moe_mxfp4_sweep")
     started = time.perf_counter()
@@ -264,10 +314,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
     timer = ctx.timer if args.smoke else sweep_timer(ctx.device)
     shape = SMOKE_SHAPE if args.smoke else K3_SHAPE
     row_class = load("kernels.triton.moe_mxfp4:mxfp4_row_class")
-    tiles = _smoke_tiles() if args.smoke else _tiles()
+    tiles = tiles_from(args.tiles) if args.tiles else _smoke_tiles() if args.smoke else _tiles()
     phases = set(args.phases.split(","))
-    tokens = [t for t in (SMOKE_TOKENS if args.smoke else DECODE_TOKENS + PREFILL_TOKENS)
-              if ("decode" if _is_decode(row_class(t * shape["top_k"], shape["experts"])) else "prefill") in phases]
+    try:
+        cases = ([int(t) for t in args.tokens.split(",")] if args.tokens else
+                 SMOKE_TOKENS if args.smoke else DECODE_TOKENS + PREFILL_TOKENS)
+    except ValueError:
+        raise SystemExit(f"--tokens: expected comma-separated integers, got {args.tokens!r}") from None
+    if any(t < 1 for t in cases):
+        raise SystemExit(f"--tokens: every count must be at least 1, got {args.tokens!r}")
+    tokens = [t for t in cases if row_class(t * shape["top_k"], shape["experts"]) in tiles and
+              ("decode" if _is_decode(row_class(t * shape["top_k"], shape["experts"])) else "prefill") in phases]
     ceilings = measure_ceilings(timer, ctx.dtype, args.smoke)
     packed = expert_weights(ctx, shape)
     extremes = ExtremesCheck(ctx)

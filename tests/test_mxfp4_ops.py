@@ -21,6 +21,7 @@ from kernels.triton import moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E4
 # the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
+NATURAL_TILE = SWAP_TILE._replace(natural_k=True)     # the decoded halves interleaved back: x in column order
 # no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
 # spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole, with the next
 # step's words prefetched); one row per block in the extremes test (the interpreter runs a program per row there,
@@ -30,7 +31,8 @@ GEMV_K32_TILE = GEMV_TILE._replace(block_m=8, block_k=32, prefetch=True)   # the
 GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
 # the default (the interpreter's wide tile) and the x W^T kernel at a small one: K steps of 64, masked tails
 SMALL_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
-TILES = {"triton": None, "triton-small": SMALL_TILE, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE, "triton-gemv": GEMV_TILE,
+TILES = {"triton": None, "triton-small": SMALL_TILE, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE,
+         "triton-swap-natural": NATURAL_TILE, "triton-gemv": GEMV_TILE,
          "triton-gemv-k32": GEMV_K32_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
@@ -76,7 +78,8 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
 
 
 # every dot provider under both activations; the gemv tiles (slow in the interpreter) under one each
-CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", "triton-swap-split")
+CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", "triton-swap-split",
+                          "triton-swap-natural")
          for a in ("silu", "situ")] + [
     ("triton-gemv", "silu"), ("triton-gemv-k32", "situ")]
 
@@ -148,6 +151,8 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
                         (SWAP_TILE._replace(half_math=True), "needs bf16"),
                         (GEMV_TILE._replace(swap=True), "gemv tile has no dot"),
+                        (NATURAL_TILE._replace(split_x=True), "natural_k is an option"),
+                        (SMALL_TILE._replace(natural_k=True), "natural_k is an option"),
                         (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
                         (GEMV_TILE._replace(block_m=32), "power of two in"),
                         (GEMV_TILE._replace(block_k=96), "power of two in")):

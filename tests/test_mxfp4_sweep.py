@@ -37,3 +37,21 @@ def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monke
     printed = capsys.readouterr().out
     assert "CHECK FAILED" in printed and 'paste: "decode": Mxfp4Tile(block_m=' in printed
     assert data["results"][3]["tile"][9] is True                       # the gemv tile was checked and timed
+
+
+def test_tiles_file_sweeps_only_its_classes_with_tail_tiles_and_refuses_bad_entries(tmp_path, capsys):
+    tile = dict(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
+    spec = tmp_path / "tiles.json"
+    spec.write_text(json.dumps({"mid": [dict(tile, tail=tile)]}))
+    results = moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path), "--tiles", str(spec), "--tokens", "2,40"])
+    assert [(r.case, r.status) for r in results] == [("prefill T=40", "ok")]    # T=2 is a decode case: not named
+    assert results[0].tail == list(moe_mxfp4_sweep.load("kernels.triton.moe_mxfp4:Mxfp4Tile")(**tile))
+    printed = capsys.readouterr().out
+    assert "+ tail (16, 32, 64" in printed and 'paste into MXFP4_TAIL_TILES_NVIDIA: "mid": Mxfp4Tile(' in printed
+    for bad, message in (({"nonsense": []}, "unknown row class 'nonsense'"),
+                         ({"mid": [dict(tile, block_q=3)]}, "block_q")):
+        spec.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=message):
+            moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path), "--tiles", str(spec)])
+    with pytest.raises(SystemExit, match="--tokens"):
+        moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path), "--tokens", "1,x"])

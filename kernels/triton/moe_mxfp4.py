@@ -64,6 +64,8 @@ class Mxfp4Tile(NamedTuple):
     asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
     #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); every sm_90 default since
     #                                the H200 sweeps at a9a24dd and a0961ce
+    natural_k: bool = False        # swap only: the decoded halves interleaved back into column order, so x / hidden
+    #                                are read as they lie (no even / odd split) and each product is one dot
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -289,7 +291,7 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
 def _scaled(tile: Mxfp4Tile, scale_fold: bool) -> dict:
     """The swap kernels' decode switches (SCALE_FOLD: the decode's own decodes only, not tl.dot_scaled's)."""
     return ({"SCALED": tile.scaled, "HALF_MATH": tile.half_math, "ASM_DECODE": tile.asm_decode,
-             "SCALE_FOLD": scale_fold and not tile.scaled} if tile.swap else {})
+             "SCALE_FOLD": scale_fold and not tile.scaled, "NATURAL_K": tile.natural_k} if tile.swap else {})
 
 
 def scale_fold(max_scale: int | None) -> bool:
@@ -305,7 +307,7 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
-        if tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode:
+        if tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k:
             raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math and "
                              f"asm_decode do not apply; set them False, got {tile}")
         if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
@@ -319,6 +321,9 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if (tile.split_x or tile.scaled or tile.half_math or tile.asm_decode) and not tile.swap:
         raise ValueError(f"moe_experts_mxfp4: split_x, scaled, half_math and asm_decode are options of the swap "
                          f"kernel; set swap=True, got {tile}")
+    if tile.natural_k and (not tile.swap or tile.split_x or tile.scaled):
+        raise ValueError(f"moe_experts_mxfp4: natural_k is an option of the swap kernel's own decode that reads x "
+                         f"in column order; set swap=True, split_x and scaled False, got {tile}")
     if tile.asm_decode and (tile.scaled or tile.half_math):
         raise ValueError(f"moe_experts_mxfp4: asm_decode is a decode of its own; set scaled and half_math False, "
                          f"got {tile}")

@@ -176,6 +176,19 @@ def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
 
 
 @triton.jit
+def _weight_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
+                 SCALE_FOLD: tl.constexpr):
+    """`_weight_rows`' two halves interleaved back into column order: W rows `rows` for K columns
+    [k_start, k_start + 2 * HALF_K) as one [BLOCK_N, 2 * HALF_K] tile (column 2j the low nibble of byte j)."""
+    low, high = _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride,
+                             scale_expert_stride, scale_row_stride, rows, row_mask, k_start, num_k, HALF_K, BLOCK_N,
+                             DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
+    return tl.reshape(tl.join(low, high), (BLOCK_N, 2 * HALF_K))
+
+
+@triton.jit
 def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
             SPLIT_X: tl.constexpr):
     """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
@@ -241,8 +254,20 @@ def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
                   packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                   inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
                   EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
-                  SCALE_FOLD: tl.constexpr):
-    """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up)."""
+                  SCALE_FOLD: tl.constexpr, NATURAL_K: tl.constexpr = False):
+    """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up), or
+    with NATURAL_K two whole-K dots on the decoded halves interleaved back into column order."""
+    if NATURAL_K:
+        x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, 2 * HALF_K, EVEN_K)        # [BLOCK_K, BLOCK_M]
+        gate = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                            scale_row_stride, cols, col_mask, k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K,
+                            HALF_MATH, ASM_DECODE, SCALE_FOLD)
+        up = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                          scale_row_stride, cols + inter_dim, col_mask, k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE,
+                          EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
+        acc_gate = tl.dot(gate, x_t, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(up, x_t, acc_up, input_precision="ieee")
+        return acc_gate, acc_up
     x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
     gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
@@ -265,7 +290,7 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                          HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
-                         SCALE_FOLD: tl.constexpr = False):
+                         SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -296,7 +321,7 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                                              packed_expert_stride, packed_row_stride, scale_expert_stride,
                                              scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
                                              HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
-                                             HALF_MATH, ASM_DECODE, SCALE_FOLD)
+                                             HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K)
     hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
@@ -309,7 +334,7 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                       HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
-                      SCALE_FOLD: tl.constexpr = False):
+                      SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
     sorted rows. SCALED: through `tl.dot_scaled`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
@@ -330,6 +355,12 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
             acc = _scaled_dot(acc, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                               scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim, h_t, HALF_K,
                               BLOCK_N, EVEN_K, X_FORMAT)
+        elif NATURAL_K:
+            h_t = _rows_k(h_rows, row_mask, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
+            w = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                             scale_row_stride, cols, col_mask, k_start, inter_dim, HALF_K, BLOCK_N,
+                             hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
+            acc = tl.dot(w, h_t, acc, input_precision="ieee")
         else:
             h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,

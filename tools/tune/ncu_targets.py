@@ -5,7 +5,7 @@
 
 builds the bench inputs of the target (bench.cases_*), runs the op twice outside the range (Triton compiles on
 the first call; the second settles the allocator) and once inside it, so the profile holds exactly one call's
-kernels. The bench already checked these calls against float64; this script only places them for the profiler.
+kernels (a target of several sizes, like moe_mxfp4, does this once per size, in order). The bench already checked these calls against float64; this script only places them for the profiler.
 """
 from __future__ import annotations
 
@@ -61,10 +61,30 @@ def _moe_experts(ctx):
     return lambda: kernel(x, w13, w2, route.weights, route.expert_ids, "situ", SITU_BETA, SITU_LINEAR_BETA)
 
 
+MXFP4_TOKENS = (1, 64, 512, 1024)          # decode at 16 and 1024 routed rows, prefill at 8K and 16K
+
+
+def _moe_mxfp4(ctx):
+    """The MXFP4 expert op at K3's per-GPU shapes (bench.moe_mxfp4_bench's experts and routing), one call per
+    entry of MXFP4_TOKENS, each in its own profile range."""
+    from bench.moe_mxfp4_bench import K3_SHAPE, _problem, expert_weights
+    from k3core.model.mxfp4 import max_scale_of
+    packed = expert_weights(ctx, K3_SHAPE)
+    (w13, w13_scale), (w2, w2_scale) = packed["w13"], packed["w2"]
+    bound = max_scale_of(w13_scale, w2_scale)
+    op = load("kernels.triton.moe_mxfp4:moe_experts_mxfp4")
+
+    def call(tokens):
+        x, _, weights, expert_ids = _problem(ctx, K3_SHAPE, tokens, packed)
+        return lambda: op(x, w13, w13_scale, w2, w2_scale, weights, expert_ids, "situ", SITU_BETA, SITU_LINEAR_BETA,
+                          max_scale=bound)
+    return [call(tokens) for tokens in MXFP4_TOKENS]
+
+
 TARGETS = {"kda_prefill_b1": _kda_prefill((32768,)), "kda_prefill_8x4k": _kda_prefill((4096,) * 8),
            "kda_prefill_64x512": _kda_prefill((512,) * 64), "kda_decode_64": _kda_decode(64),
            "mla_decode_b1": _mla_decode(1, 131072), "mla_decode_b64": _mla_decode(64, 8192),
-           "moe_experts": _moe_experts}
+           "moe_experts": _moe_experts, "moe_mxfp4": _moe_mxfp4}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,15 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", choices=sorted(TARGETS))
     args = parser.parse_args(argv)
     ctx = make_context(smoke=False)
-    call = TARGETS[args.target](ctx)
-    call()
-    call()
-    torch.cuda.synchronize(ctx.device)
-    torch.cuda.nvtx.range_push("profile")
-    call()
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize(ctx.device)
-    print(f"{args.target}: one call profiled")
+    built = TARGETS[args.target](ctx)
+    calls = built if isinstance(built, list) else [built]
+    for call in calls:
+        call()
+        call()
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.nvtx.range_push("profile")
+        call()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize(ctx.device)
+    print(f"{args.target}: {len(calls)} call(s) profiled, one range each")
     return 0
 
 
