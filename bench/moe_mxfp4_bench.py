@@ -106,7 +106,7 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
         return bf16_op(x[rows], packed["w13_dense"], packed["w2_dense"], weights[rows], expert_ids[rows], *act)
 
     # the timed call itself, checked on its first and last tokens: the last pairs of each expert are the ones
-    # that run in tail blocks when the op uses two block heights (moe_mxfp4.split_tail_pairs)
+    # that run in tail blocks when the op uses two block heights (moe_blocks.split_tail_pairs)
     ends = torch.cat([torch.arange(min(tokens, CHECK_TOKENS // 2)),
                       torch.arange(max(0, tokens - CHECK_TOKENS // 2), tokens)])
     checked = torch.unique(ends).to(x.device)

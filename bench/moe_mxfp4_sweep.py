@@ -20,7 +20,7 @@ rewritten after every case so that a run cut short keeps what it finished.
 
 `--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name
 (absent fields take their defaults), each optionally with "tail": the fields of the tail blocks' tile (two block
-heights, `moe_mxfp4.split_tail_pairs`); only the cases of the classes it names run. `--tokens 1,512` picks the
+heights, `moe_blocks.split_tail_pairs`); only the cases of the classes it names run. `--tokens 1,512` picks the
 cases.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.triton import moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E402
+from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E402
 
 # the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
@@ -405,13 +405,13 @@ def test_split_tail_pairs_keeps_whole_blocks_and_cuts_only_what_is_past_them():
     """Expert 0 has 9 pairs (one whole 4-row block... twice, and 1 past), expert 1 has 4 (exactly one block), expert 2
     has 3 (under one block: kept whole, padded), expert 3 belongs to another rank; block_m 4."""
     ids = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 5], [0, 2], [0, 1], [0, 2], [0, 1], [0, 5]])
-    whole, tail = moe_mxfp4.split_tail_pairs(ids, 0, 4, 4)
+    whole, tail = moe_blocks.split_tail_pairs(ids, 0, 4, 4)
     elsewhere = 4
     assert torch.equal(tail[:, 0], torch.tensor([elsewhere] * 8 + [0]))          # the 9th pair of expert 0
     assert (tail[:, 1] == elsewhere).all()
     assert torch.equal(whole[:, 0], torch.tensor([0] * 8 + [elsewhere]))
     assert torch.equal(whole[:, 1], ids[:, 1])                                  # expert 5 is past the rank: stays
-    with_offset = moe_mxfp4.split_tail_pairs(ids + 10, 10, 4, 4)
+    with_offset = moe_blocks.split_tail_pairs(ids + 10, 10, 4, 4)
     assert torch.equal(with_offset[0], whole + 10) and torch.equal(with_offset[1], tail + 10)
 
 
@@ -436,5 +436,5 @@ def test_two_block_heights_give_the_one_height_result(offset):
     want = _oracle(*args[:8], offset=offset)
     _assert_close(two, want)
     assert (two - one).abs().max() <= 1e-5 * want.abs().max()                  # float32 rounding, not a lost row
-    _, cut = moe_mxfp4.split_tail_pairs(ids, offset, experts, tile.block_m)
+    _, cut = moe_blocks.split_tail_pairs(ids, offset, experts, tile.block_m)
     assert (cut == offset + 4).sum() == 51 - 32 and ((cut == offset + 4) | (cut == offset + experts)).all()

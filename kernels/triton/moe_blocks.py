@@ -6,7 +6,8 @@ Two ways to the same `ExpertBlocks`, bit for bit:
   two scatters, fills and index arithmetic); in a k3-mini decode step under a CUDA graph those cost more than the
   MoE routing itself (bench/results/model-k3-mini-nvidia-h200.md lists them).
 - the torch form (sort, searchsorted, cumsum, scatter on the device, no host sync) for everything larger.
-Pairs routed to experts of other ranks (expert parallelism) are dropped in both.
+Pairs routed to experts of other ranks (expert parallelism) are dropped in both. `split_tail_pairs` cuts each
+expert's pairs past its whole blocks off for blocks of another height (the MXFP4 prefill's two block heights).
 """
 from __future__ import annotations
 
@@ -44,6 +45,40 @@ def sort_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int,
     return sorted_key, order, torch.searchsorted(sorted_key, experts, right=True)
 
 
+class PairRanks(NamedTuple):
+    """The pairs in expert order with each one's place in its expert (`pair_ranks`)."""
+    sorted_key: torch.Tensor       # int64 [P]: local expert of sorted pair i (num_experts: another rank's)
+    order: torch.Tensor            # int64 [P]: the pair index of sorted pair i
+    counts: torch.Tensor           # int64 [E]: local pairs per expert
+    rank: torch.Tensor             # int64 [P]: sorted pair i's rank among its expert's pairs (by pair index)
+    safe_key: torch.Tensor         # sorted_key clamped to a real expert, for gathers over [E]
+
+
+def pair_ranks(expert_ids: torch.Tensor, expert_offset: int, num_experts: int) -> PairRanks:
+    """`sort_pairs_by_expert` plus the per-expert counts and each pair's rank within its expert, on the device."""
+    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
+    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))              # [E]
+    safe_key = sorted_key.clamp(max=num_experts - 1)
+    rank = torch.arange(order.numel(), device=order.device) - (count_end - counts)[safe_key]
+    return PairRanks(sorted_key, order, counts, rank, safe_key)
+
+
+def split_tail_pairs(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whole, tail) expert ids [T, k] for two block heights: a pair is in `tail` when its expert has more than
+    `block_m` local pairs and it is past the expert's last whole block (by pair index, as the stable sort orders
+    them); the other side holds `expert_offset + num_experts` there (another rank's expert: dropped by the
+    grouping). Experts with at most one block keep every pair whole, so nothing is cut into shorter blocks below
+    one full one. On the device, no sync."""
+    ranks = pair_ranks(expert_ids, expert_offset, num_experts)
+    counts = ranks.counts
+    whole = torch.where(counts > block_m, counts // block_m * block_m, counts)      # [E] pairs in whole blocks
+    tail_sorted = (ranks.sorted_key < num_experts) & (ranks.rank >= whole[ranks.safe_key])
+    tail = torch.empty_like(tail_sorted).scatter_(0, ranks.order, tail_sorted).view(expert_ids.shape)
+    elsewhere = torch.full_like(expert_ids, expert_offset + num_experts)
+    return torch.where(tail, elsewhere, expert_ids), torch.where(tail, expert_ids, elsewhere)
+
+
 def num_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """The static bound on blocks: cdiv(P, BLOCK_M) + E (each expert adds at most one partial block), so nothing
     waits for the device; blocks past the last expert's are idle."""
@@ -61,15 +96,12 @@ def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_expe
 
 def group_pairs_torch(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
                       block_m: int) -> ExpertBlocks:
-    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
+    sorted_key, order, counts, rank_in_expert, safe_key = pair_ranks(expert_ids, expert_offset, num_experts)
     num_pairs = order.numel()
     device = order.device
-    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))              # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded                                          # [E]
-    safe_key = sorted_key.clamp(max=num_experts - 1)
-    rank_in_expert = torch.arange(num_pairs, device=device) - (count_end - counts)[safe_key]
     num_blocks = num_expert_blocks(num_pairs, num_experts, block_m)
     capacity = num_blocks * block_m
     # pairs of other ranks go to one extra dump row that is cut off below

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation, glu_f32
-from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, sort_pairs_by_expert
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, split_tail_pairs
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
@@ -465,23 +465,6 @@ def _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activatio
                  fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None) -> torch.Tensor:
     hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold)
     return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out)
-
-
-def split_tail_pairs(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
-                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whole, tail) expert ids [T, k]: a pair is in `tail` when its expert has more than `block_m` local pairs and
-    it is past the expert's last whole block (by pair index, as the stable sort orders them); the other side holds
-    `expert_offset + num_experts` there (another rank's expert: dropped by the grouping). Experts with at most one
-    block keep every pair whole, so nothing is cut into shorter blocks below one full one. On the device, no sync."""
-    sorted_key, order, count_end = sort_pairs_by_expert(expert_ids, expert_offset, num_experts)
-    counts = torch.diff(count_end, prepend=count_end.new_zeros(1))                  # [E]
-    whole = torch.where(counts > block_m, counts // block_m * block_m, counts)      # [E] pairs in whole blocks
-    safe_key = sorted_key.clamp(max=num_experts - 1)
-    rank = torch.arange(order.numel(), device=order.device) - (count_end - counts)[safe_key]
-    tail_sorted = (sorted_key < num_experts) & (rank >= whole[safe_key])
-    tail = torch.empty_like(tail_sorted).scatter_(0, order, tail_sorted).view(expert_ids.shape)
-    elsewhere = torch.full_like(expert_ids, expert_offset + num_experts)
-    return torch.where(tail, elsewhere, expert_ids), torch.where(tail, expert_ids, elsewhere)
 
 
 def _two_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
