@@ -22,6 +22,7 @@ from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
 NATURAL_TILE = SWAP_TILE._replace(natural_k=True)     # the decoded halves interleaved back: x in column order
+PRESPLIT_TILE = SWAP_TILE._replace(presplit=True)     # x and hidden reordered [even | odd] per K step beforehand
 # no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
 # spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole, with the next
 # step's words prefetched); one row per block in the extremes test (the interpreter runs a program per row there,
@@ -32,7 +33,7 @@ GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
 # the default (the interpreter's wide tile) and the x W^T kernel at a small one: K steps of 64, masked tails
 SMALL_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
 TILES = {"triton": None, "triton-small": SMALL_TILE, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE,
-         "triton-swap-natural": NATURAL_TILE, "triton-gemv": GEMV_TILE,
+         "triton-swap-natural": NATURAL_TILE, "triton-swap-presplit": PRESPLIT_TILE, "triton-gemv": GEMV_TILE,
          "triton-gemv-k32": GEMV_K32_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
@@ -79,7 +80,7 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
 
 # every dot provider under both activations; the gemv tiles (slow in the interpreter) under one each
 CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", "triton-swap-split",
-                          "triton-swap-natural")
+                          "triton-swap-natural", "triton-swap-presplit")
          for a in ("silu", "situ")] + [
     ("triton-gemv", "silu"), ("triton-gemv-k32", "situ")]
 
@@ -130,7 +131,7 @@ def test_scale_extremes_and_byte_255():
     want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
     for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
         _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
-    for tile in (SMALL_TILE, SWAP_TILE, SPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
+    for tile in (SMALL_TILE, SWAP_TILE, SPLIT_TILE, PRESPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
         _assert_close(moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids,
                                                   "silu", 4.0, 25.0, tile=tile), want)
     # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
@@ -153,6 +154,10 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (GEMV_TILE._replace(swap=True), "gemv tile has no dot"),
                         (NATURAL_TILE._replace(split_x=True), "natural_k is an option"),
                         (SMALL_TILE._replace(natural_k=True), "natural_k is an option"),
+                        (SMALL_TILE._replace(presplit=True), "presplit is an option"),
+                        (PRESPLIT_TILE._replace(split_x=True), "presplit is an option"),
+                        (PRESPLIT_TILE._replace(natural_k=True), "presplit is an option"),
+                        (GEMV_TILE._replace(presplit=True), "gemv tile has no dot"),
                         (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
                         (GEMV_TILE._replace(block_m=32), "power of two in"),
                         (GEMV_TILE._replace(block_k=96), "power of two in")):
@@ -399,6 +404,27 @@ def test_gemv_tiles_refuse_packed_rows_off_word_boundaries():
     got = moe_mxfp4.moe_experts_mxfp4(x, shifted.clone(), w13_scale, w2_packed, w2_scale, weights, ids, "silu",
                                       4.0, 25.0, tile=GEMV_TILE)
     _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu"))
+
+
+def test_presplit_order_and_the_padded_hidden_columns_are_zero():
+    """presplit_columns puts each K step's even columns before its odd ones and pads with zero columns; gate/up
+    of a presplit tile stores hidden in that order, and its columns past I (read by down against masked-off, zero
+    weights) must be finite zeros, not whatever the buffer held: 0 x NaN would poison every row."""
+    t = torch.arange(2 * 96, dtype=torch.float32).reshape(2, 96)
+    split = moe_mxfp4.presplit_columns(t, 64)
+    assert split.shape == (2, 128)
+    assert torch.equal(split[:, :32], t[:, 0:64:2]) and torch.equal(split[:, 32:64], t[:, 1:64:2])
+    assert torch.equal(split[:, 64:80], t[:, 64::2]) and torch.equal(split[:, 96:112], t[:, 65::2])
+    assert (split[:, 80:96] == 0).all() and (split[:, 112:] == 0).all()
+    gen = torch.Generator().manual_seed(17)
+    w13_packed, w13_scale, w2_packed, w2_scale, x, _ = _problem(gen, 7, 64, 96, 3, 2)
+    ids = torch.randint(0, 3, (7, 2), generator=gen)
+    blocks = moe_blocks.group_pairs_by_expert(ids, 0, 3, PRESPLIT_TILE.block_m)
+    hidden = moe_mxfp4.gate_up(x, w13_packed, w13_scale, blocks, 2, "silu", 4.0, 25.0, PRESPLIT_TILE)
+    plain = moe_mxfp4.gate_up(x, w13_packed, w13_scale, blocks, 2, "silu", 4.0, 25.0, SWAP_TILE)
+    rows = blocks.row_of_pair
+    assert hidden.shape[1] == 128 and (hidden[:, 80:96] == 0).all() and (hidden[:, 112:] == 0).all()
+    torch.testing.assert_close(hidden[rows], moe_mxfp4.presplit_columns(plain[rows], 64), rtol=1e-6, atol=1e-6)
 
 
 def test_split_tail_pairs_keeps_whole_blocks_and_cuts_only_what_is_past_them():

@@ -66,6 +66,9 @@ class Mxfp4Tile(NamedTuple):
     #                                the H200 sweeps at a9a24dd and a0961ce
     natural_k: bool = False        # swap only: the decoded halves interleaved back into column order, so x / hidden
     #                                are read as they lie (no even / odd split) and each product is one dot
+    presplit: bool = False         # swap only: x and hidden laid out per block_k columns as [even | odd] before the
+    #                                kernels read them (x by one gather per call, hidden by gate/up's store), so
+    #                                each half-K operand is a contiguous run (cp.async) and no split is needed
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -291,7 +294,8 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
 def _scaled(tile: Mxfp4Tile, scale_fold: bool) -> dict:
     """The swap kernels' decode switches (SCALE_FOLD: the decode's own decodes only, not tl.dot_scaled's)."""
     return ({"SCALED": tile.scaled, "HALF_MATH": tile.half_math, "ASM_DECODE": tile.asm_decode,
-             "SCALE_FOLD": scale_fold and not tile.scaled, "NATURAL_K": tile.natural_k} if tile.swap else {})
+             "SCALE_FOLD": scale_fold and not tile.scaled, "NATURAL_K": tile.natural_k,
+             "PRESPLIT": tile.presplit} if tile.swap else {})
 
 
 def scale_fold(max_scale: int | None) -> bool:
@@ -307,9 +311,10 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
-        if tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k:
-            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math and "
-                             f"asm_decode do not apply; set them False, got {tile}")
+        if (tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k
+                or tile.presplit):
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math, "
+                             f"asm_decode, natural_k and presplit do not apply; set them False, got {tile}")
         if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
                 tile.block_k & (tile.block_k - 1)):
             raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
@@ -324,6 +329,10 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.natural_k and (not tile.swap or tile.split_x or tile.scaled):
         raise ValueError(f"moe_experts_mxfp4: natural_k is an option of the swap kernel's own decode that reads x "
                          f"in column order; set swap=True, split_x and scaled False, got {tile}")
+    if tile.presplit and (not tile.swap or tile.split_x or tile.scaled or tile.natural_k):
+        raise ValueError(f"moe_experts_mxfp4: presplit is an option of the swap kernel's own decode that reads x "
+                         f"already split into even / odd columns; set swap=True, split_x, scaled and natural_k "
+                         f"False, got {tile}")
     if tile.asm_decode and (tile.scaled or tile.half_math):
         raise ValueError(f"moe_experts_mxfp4: asm_decode is a decode of its own; set scaled and half_math False, "
                          f"got {tile}")
@@ -347,6 +356,21 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def presplit_columns(t: torch.Tensor, block_k: int) -> torch.Tensor:
+    """[R, K] -> [R, Kp], Kp = K rounded up to block_k (zero columns past K): each block_k columns reordered as
+    [the even ones | the odd ones], the order a presplit tile's kernels read x and hidden in."""
+    rows, num_k = t.shape
+    padded = triton.cdiv(num_k, block_k) * block_k
+    if padded != num_k:
+        t = torch.nn.functional.pad(t, (0, padded - num_k))
+    return t.reshape(rows, padded // block_k, block_k // 2, 2).transpose(2, 3).reshape(rows, padded)
+
+
+def _hidden_width(inter_dim: int, tile: Mxfp4Tile) -> int:
+    """Columns of gate_up's hidden: I, or I rounded up to block_k in presplit order."""
+    return triton.cdiv(inter_dim, tile.block_k) * tile.block_k if tile.presplit else inter_dim
+
+
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
             activation: str, situ_beta: float | None, situ_linear_beta: float | None,
             tile: Mxfp4Tile, fold: bool = False) -> torch.Tensor:
@@ -360,7 +384,13 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     num_experts, two_inter, _ = w13_packed.shape
     inter_dim, hidden_dim = two_inter // 2, x.shape[1]
     num_blocks = blocks.block_experts.numel()
-    hidden = torch.empty(num_blocks * tile.block_m, inter_dim, dtype=x.dtype, device=x.device)   # [P_pad, I]
+    width = _hidden_width(inter_dim, tile)
+    # presplit with I not a multiple of block_k: the columns past I are read by down (against zero weights), so
+    # they must be finite
+    alloc = torch.zeros if width != inter_dim else torch.empty
+    hidden = alloc(num_blocks * tile.block_m, width, dtype=x.dtype, device=x.device)     # [P_pad, I] (or padded)
+    if tile.presplit:
+        x = presplit_columns(x, tile.block_k)
     if tile.gemv:
         words = _words(w13_packed)
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -393,8 +423,12 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     `rows_out` when given (a contiguous float32 view of that shape)."""
     _check_tile(tile)
     _check_dtype(tile, hidden)
-    num_experts, hidden_dim, _ = w2_packed.shape
-    inter_dim = hidden.shape[1]
+    num_experts, hidden_dim, half_inter = w2_packed.shape
+    inter_dim = 2 * half_inter
+    width = _hidden_width(inter_dim, tile)
+    if hidden.shape[1] != width:
+        raise ValueError(f"moe_experts_mxfp4: hidden must be gate_up's output for this tile: {width} columns for "
+                         f"I={inter_dim}, got {hidden.shape[1]}")
     num_blocks = blocks.block_experts.numel()
     if rows_out is None:
         rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)

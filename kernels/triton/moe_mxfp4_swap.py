@@ -190,10 +190,17 @@ def _weight_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
 
 @triton.jit
 def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
-            SPLIT_X: tl.constexpr):
+            SPLIT_X: tl.constexpr, PRESPLIT: tl.constexpr = False):
     """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
     to each row's first element), as the dot's second operands [HALF_K, BLOCK_M]. SPLIT_X loads the contiguous
-    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; otherwise two stride-2 loads."""
+    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; PRESPLIT rows are already ordered
+    [even | odd] per 2 * HALF_K columns and zero-padded to a whole step (`presplit_columns`), so each half is a
+    contiguous run with no K mask; otherwise two stride-2 loads."""
+    if PRESPLIT:
+        j = tl.arange(0, HALF_K)
+        even = tl.load(row_ptrs[None, :] + (k_start + j)[:, None], mask=row_mask[None, :], other=0.0)
+        odd = tl.load(row_ptrs[None, :] + (k_start + HALF_K + j)[:, None], mask=row_mask[None, :], other=0.0)
+        return even, odd
     if SPLIT_X:
         ks = k_start + tl.arange(0, 2 * HALF_K)
         if EVEN_K:
@@ -254,7 +261,7 @@ def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
                   packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                   inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
                   EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
-                  SCALE_FOLD: tl.constexpr, NATURAL_K: tl.constexpr = False):
+                  SCALE_FOLD: tl.constexpr, NATURAL_K: tl.constexpr = False, PRESPLIT: tl.constexpr = False):
     """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up), or
     with NATURAL_K two whole-K dots on the decoded halves interleaved back into column order."""
     if NATURAL_K:
@@ -268,7 +275,7 @@ def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
         acc_gate = tl.dot(gate, x_t, acc_gate, input_precision="ieee")
         acc_up = tl.dot(up, x_t, acc_up, input_precision="ieee")
         return acc_gate, acc_up
-    x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+    x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
     gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                                        HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
@@ -290,9 +297,12 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                          HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
-                         SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False):
+                         SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
+                         PRESPLIT: tl.constexpr = False):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
-    stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only)."""
+    stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only).
+    PRESPLIT: x arrives presplit (`_rows_t`) and hidden is stored presplit for the down kernel (column c of I at
+    c's place in its BLOCK_K step's [even | odd] order)."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -321,9 +331,13 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                                              packed_expert_stride, packed_row_stride, scale_expert_stride,
                                              scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
                                              HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
-                                             HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K)
+                                             HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
     hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
-    tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + cols[:, None],
+    if PRESPLIT:
+        places = cols // BLOCK_K * BLOCK_K + cols % BLOCK_K // 2 + cols % 2 * HALF_K
+    else:
+        places = cols
+    tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
 
 
@@ -334,9 +348,10 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                       HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
-                      SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False):
+                      SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
+                      PRESPLIT: tl.constexpr = False):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
-    sorted rows. SCALED: through `tl.dot_scaled`."""
+    sorted rows. SCALED: through `tl.dot_scaled`. PRESPLIT: hidden is in gate/up's presplit order."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -362,7 +377,8 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                              hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
             acc = tl.dot(w, h_t, acc, input_precision="ieee")
         else:
-            h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X)
+            h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+                                    PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                          HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH,
