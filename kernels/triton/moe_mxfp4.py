@@ -76,21 +76,25 @@ class Mxfp4Tile(NamedTuple):
 # the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256 tokens has 37 per expert); prefill: more
 # (K3 at 512 tokens has 73 per expert).
 MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
-# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 at a0961ce
-# (bench/results/moe-mxfp4-sweep-nvidia-h200.json / .txt; geometric mean over the class's cases, every tile
-# checked against the float64 reference and the extreme scales first), all swap-AB with the PTX decode
-# (asm_decode): 1.24x the bf16 experts at 1 token (the gemv tile with prefetch 1.20x), 1.44x at 4, 1.49x at 16,
-# 1.30x at 64; 0.95x at 256 tokens (mid), 0.76x at 512 and 0.52x at 1024 (prefill; the Triton-decoded tiles
-# were 0.68x, 0.64x and 0.43x in the sweep at a9a24dd). The prefill gate/up kernel keeps 40 bytes of stack at
-# 255 registers (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
+# class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
+# the PTX decode (asm_decode). decode / decode_batch at b4dbadc (bench/results/moe-mxfp4-presplit-k256-*.json):
+# block_k 256 with presplit x, 1.49x the bf16 experts at 1 token, 1.74x at 4-16, 1.60x at 64, where the
+# 16x64x128 tile before it gave 1.33x, 1.64x, 1.60x and 1.36x in the same run; presplit alone at block_k 128 ran
+# at 0.90-0.99x that tile's speed (d2d76ad), block_k 256 without presplit at 0.95-1.04x. mid / prefill at a0961ce
+# (moe-mxfp4-sweep-nvidia-h200.json / .txt): 0.95x at 256 tokens, 0.76x at 512, 0.52x at 1024 with one block
+# height; presplit gained nothing there (d2d76ad, moe-mxfp4-presplit-nvidia-h200.json: 0.94x, 0.71x, 0.63x
+# against 0.97x, 0.71x, 0.63x). At 255 registers the gate/up kernels keep 40 (prefill) and 64 (decode) bytes of
+# stack (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
-                        scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
-    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True, split_x=False,
+                        scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
+                        presplit=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
-                              asm_decode=True),
+                              asm_decode=True, natural_k=False, presplit=True),
     "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
     "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
