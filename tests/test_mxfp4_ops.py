@@ -23,6 +23,8 @@ SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1,
 SPLIT_TILE = SWAP_TILE._replace(split_x=True)         # x rows read contiguously and split into even / odd k
 NATURAL_TILE = SWAP_TILE._replace(natural_k=True)     # the decoded halves interleaved back: x in column order
 PRESPLIT_TILE = SWAP_TILE._replace(presplit=True)     # x and hidden reordered [even | odd] per K step beforehand
+# gate/up's weight tile stacks 64 gate rows over the same columns' up rows: I = 96 leaves a half-empty second block
+STACKED_TILE = SWAP_TILE._replace(block_n=128, stacked=True)
 # no dot: float32 multiply-adds over 4 and 8 rows per block (blocks with fewer rows, and experts of many rows
 # spread over several blocks), K steps of 64 (D = I = 96: the masked tail) and 32 (every step whole, with the next
 # step's words prefetched); one row per block in the extremes test (the interpreter runs a program per row there,
@@ -33,7 +35,8 @@ GEMV_ROW_TILE = GEMV_TILE._replace(block_m=1, block_k=32, prefetch=True)
 # the default (the interpreter's wide tile) and the x W^T kernel at a small one: K steps of 64, masked tails
 SMALL_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
 TILES = {"triton": None, "triton-small": SMALL_TILE, "triton-swap": SWAP_TILE, "triton-swap-split": SPLIT_TILE,
-         "triton-swap-natural": NATURAL_TILE, "triton-swap-presplit": PRESPLIT_TILE, "triton-gemv": GEMV_TILE,
+         "triton-swap-natural": NATURAL_TILE, "triton-swap-presplit": PRESPLIT_TILE,
+         "triton-swap-stacked": STACKED_TILE, "triton-gemv": GEMV_TILE,
          "triton-gemv-k32": GEMV_K32_TILE}
 
 # float32 interpreted dots against float64: a few float32 ulps per product, summed over K <= 256; the rounding of
@@ -80,7 +83,7 @@ def _uneven_ids(gen: torch.Generator, tokens: int, experts: int, top_k: int) -> 
 
 # every dot provider under both activations; the gemv tiles (slow in the interpreter) under one each
 CASES = [(p, a) for p in ("reference", "triton", "triton-small", "triton-swap", "triton-swap-split",
-                          "triton-swap-natural", "triton-swap-presplit")
+                          "triton-swap-natural", "triton-swap-presplit", "triton-swap-stacked")
          for a in ("silu", "situ")] + [
     ("triton-gemv", "silu"), ("triton-gemv-k32", "situ")]
 
@@ -131,7 +134,8 @@ def test_scale_extremes_and_byte_255():
     want = _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu")
     for fn in (reference, moe_mxfp4.moe_experts_mxfp4):
         _assert_close(fn(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0, 25.0), want)
-    for tile in (SMALL_TILE, SWAP_TILE, SPLIT_TILE, PRESPLIT_TILE, GEMV_TILE, GEMV_ROW_TILE):
+    for tile in (SMALL_TILE, SWAP_TILE, SPLIT_TILE, PRESPLIT_TILE, PRESPLIT_TILE._replace(stacked=True), GEMV_TILE,
+                 GEMV_ROW_TILE):
         _assert_close(moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids,
                                                   "silu", 4.0, 25.0, tile=tile), want)
     # the extreme block carries weight: halving its scale changes the answer well beyond the tolerance
@@ -158,6 +162,10 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (PRESPLIT_TILE._replace(split_x=True), "presplit is an option"),
                         (PRESPLIT_TILE._replace(natural_k=True), "presplit is an option"),
                         (GEMV_TILE._replace(presplit=True), "gemv tile has no dot"),
+                        (SMALL_TILE._replace(stacked=True), "stacked is an option"),
+                        (STACKED_TILE._replace(natural_k=True), "stacked is an option"),
+                        (STACKED_TILE._replace(block_n=16), "stacked is an option"),
+                        (GEMV_TILE._replace(stacked=True), "gemv tile has no dot"),
                         (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
                         (GEMV_TILE._replace(block_m=32), "power of two in"),
                         (GEMV_TILE._replace(block_k=96), "power of two in")):

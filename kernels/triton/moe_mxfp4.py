@@ -69,6 +69,9 @@ class Mxfp4Tile(NamedTuple):
     presplit: bool = False         # swap only: x and hidden laid out per block_k columns as [even | odd] before the
     #                                kernels read them (x by one gather per call, hidden by gate/up's store), so
     #                                each half-K operand is a contiguous run (cp.async) and no split is needed
+    stacked: bool = False          # swap only: a gate/up program covers block_n / 2 columns of I, its weight tile
+    #                                their gate rows over their up rows: one dot per half-K step (half the decoded
+    #                                tiles held at once); the down kernel ignores it
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -316,9 +319,9 @@ def _check_tile(tile: Mxfp4Tile) -> None:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
         if (tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k
-                or tile.presplit):
+                or tile.presplit or tile.stacked):
             raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math, "
-                             f"asm_decode, natural_k and presplit do not apply; set them False, got {tile}")
+                             f"asm_decode, natural_k, presplit and stacked do not apply; set them False, got {tile}")
         if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
                 tile.block_k & (tile.block_k - 1)):
             raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
@@ -333,6 +336,9 @@ def _check_tile(tile: Mxfp4Tile) -> None:
     if tile.natural_k and (not tile.swap or tile.split_x or tile.scaled):
         raise ValueError(f"moe_experts_mxfp4: natural_k is an option of the swap kernel's own decode that reads x "
                          f"in column order; set swap=True, split_x and scaled False, got {tile}")
+    if tile.stacked and (not tile.swap or tile.scaled or tile.natural_k or tile.block_n < 32):
+        raise ValueError(f"moe_experts_mxfp4: stacked is an option of the swap kernel's own decode (two dots a K "
+                         f"step); set swap=True, scaled and natural_k False and block_n >= 32, got {tile}")
     if tile.presplit and (not tile.swap or tile.split_x or tile.scaled or tile.natural_k):
         raise ValueError(f"moe_experts_mxfp4: presplit is an option of the swap kernel's own decode that reads x "
                          f"already split into even / odd columns; set swap=True, split_x, scaled and natural_k "
@@ -409,7 +415,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             num_stages=tile.num_stages)
         return hidden
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
-    kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
+    stacked = {"STACKED": True} if tile.stacked else {}
+    kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n // 2 if tile.stacked else tile.block_n))](
         x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
         x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
@@ -417,7 +424,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold))
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold), **stacked)
     return hidden
 
 

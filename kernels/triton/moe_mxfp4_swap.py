@@ -298,11 +298,13 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                          HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
                          SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
-                         PRESPLIT: tl.constexpr = False):
+                         PRESPLIT: tl.constexpr = False, STACKED: tl.constexpr = False):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only).
     PRESPLIT: x arrives presplit (`_rows_t`) and hidden is stored presplit for the down kernel (column c of I at
-    c's place in its BLOCK_K step's [even | odd] order)."""
+    c's place in its BLOCK_K step's [even | odd] order). STACKED: the program covers BLOCK_N / 2 columns of I, its
+    weight tile the BLOCK_N / 2 gate rows over the same columns' up rows: one dot per half-K step into one
+    accumulator (half the decoded tiles of two BLOCK_N-row dots in registers at once), split after the loop."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -312,6 +314,26 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride                   # [BLOCK_M] row starts
+    if STACKED:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        cols = tl.program_id(1) * HALF_N + tl.arange(0, HALF_N)        # [HALF_N] of I
+        stack = tl.arange(0, BLOCK_N)
+        stack_cols = tl.program_id(1) * HALF_N + stack % HALF_N
+        w_rows = tl.where(stack < HALF_N, stack_cols, stack_cols + inter_dim)      # [gate rows | up rows]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+                                    PRESPLIT)
+            w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                         scale_expert_stride, scale_row_stride, w_rows, stack_cols < inter_dim,
+                                         k_start, hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K,
+                                         HALF_MATH, ASM_DECODE, SCALE_FOLD)
+            acc = tl.dot(w_low, x_even, acc, input_precision="ieee")
+            acc = tl.dot(w_high, x_odd, acc, input_precision="ieee")
+        acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
+        _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                      linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+        return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
     col_mask = cols < inter_dim
     acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -332,13 +354,23 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                                              scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
                                              HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
                                              HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
-    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [BLOCK_N, BLOCK_M]
+    _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                  linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+
+
+@triton.jit
+def _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                  linear_beta, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRESPLIT: tl.constexpr):
+    """The GLU of gate^T / up^T [columns, rows] in float32, stored in hidden's dtype at the sorted rows (PRESPLIT:
+    column c at its place in its BLOCK_K step's [even | odd] order)."""
+    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)  # [columns, BLOCK_M]
     if PRESPLIT:
-        places = cols // BLOCK_K * BLOCK_K + cols % BLOCK_K // 2 + cols % 2 * HALF_K
+        places = cols // BLOCK_K * BLOCK_K + cols % BLOCK_K // 2 + cols % 2 * (BLOCK_K // 2)
     else:
         places = cols
     tl.store(hidden_ptr + rows[None, :].to(tl.int64) * hidden_row_stride + places[:, None],
-             hidden.to(hidden_ptr.dtype.element_ty), mask=col_mask[:, None] & row_mask[None, :])
+             hidden.to(hidden_ptr.dtype.element_ty), mask=(cols < inter_dim)[:, None] & row_mask[None, :])
 
 
 @triton.jit
