@@ -81,25 +81,27 @@ class Mxfp4Tile(NamedTuple):
 MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
 # NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
 # class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
-# the PTX decode (asm_decode). decode / decode_batch at b4dbadc (bench/results/moe-mxfp4-presplit-k256-*.json):
-# block_k 256 with presplit x, 1.49x the bf16 experts at 1 token, 1.74x at 4-16, 1.60x at 64, where the
-# 16x64x128 tile before it gave 1.33x, 1.64x, 1.60x and 1.36x in the same run; presplit alone at block_k 128 ran
-# at 0.90-0.99x that tile's speed (d2d76ad), block_k 256 without presplit at 0.95-1.04x. mid / prefill at a0961ce
-# (moe-mxfp4-sweep-nvidia-h200.json / .txt): 0.95x at 256 tokens, 0.76x at 512, 0.52x at 1024 with one block
-# height; presplit gained nothing there (d2d76ad, moe-mxfp4-presplit-nvidia-h200.json: 0.94x, 0.71x, 0.63x
-# against 0.97x, 0.71x, 0.63x). At 255 registers the gate/up kernels keep 40 (prefill) and 64 (decode) bytes of
-# stack (offline sm_90 compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# the PTX decode (asm_decode). decode / decode_batch / mid at c4e0f57 (bench/results/moe-mxfp4-stacked-*.json):
+# presplit x and stacked gate/up rows, 1.77x the bf16 experts at 1 token, 2.06x at 4, 2.14x at 16, 1.94x at 64,
+# 1.10x at 256 (mid); in the same run the tiles before them (block_k 256 presplit, b4dbadc; the mid class's
+# 64-row split_x) gave 1.49x, 1.65x, 1.74x, 1.60x and 0.97x. Stacking halves the decoded tiles gate/up holds at
+# once (offline sm_90: 255 registers and 64 B of stack -> 167 and none, 2 -> 3 programs an SM). prefill at
+# a0961ce (moe-mxfp4-sweep-nvidia-h200.json / .txt) with the 32-row tails of 92cbc45: 0.70-0.71x at 512 tokens,
+# 0.63-0.64x at 1024 in this session's sweeps; presplit and stacked tiles came within 1% of it there (d2d76ad,
+# c4e0f57), so it stays. At 255 registers the prefill gate/up kernel keeps 40 bytes of stack (offline sm_90
+# compile). A rerun prints a `paste:` line per class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True, split_x=False,
                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                        presplit=True),
+                        presplit=True, stacked=True),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
-                              asm_decode=True, natural_k=False, presplit=True),
-    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
-                     scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+                              asm_decode=True, natural_k=False, presplit=True, stacked=True),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+                     scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
+                     presplit=True, stacked=True),
     "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
                          scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
 }
