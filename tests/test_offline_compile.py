@@ -189,3 +189,36 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
     for line in lines:
         arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line
+
+
+def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spilling():
+    """The presplit / stacked swap kernels (sm_90's decode defaults, there with the PTX decode) are portable Triton
+    without it: with the Triton decode they compile for gfx942, gfx950 and sm_100 at K3's per-GPU shapes with no
+    VGPR spills or local-memory stack. Never run on those devices."""
+    result = _python("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
+        experts, latent, width, top_k = 8, 3584, 3072, 16
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
+        w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
+        tile = Mxfp4Tile(16, 64, 256, 4, 2, swap=True, presplit=True, stacked=True)
+        for arch in ("gfx942", "gfx950", "sm_100"):
+            target = offline_target(arch)
+            with capture(target) as recorder:
+                ids = torch.arange(4 * top_k).view(4, top_k) % experts
+                moe_experts_mxfp4(torch.empty(4, latent, dtype=torch.bfloat16), *w13, *w2,
+                                  torch.full((4, top_k), 1 / top_k), ids, "situ", 4.0, 25.0, tile=tile)
+            for _, launch in recorder.launches:
+                if "swap" in launch.kernel:
+                    c = compile_launch(launch, target)
+                    r = c.resources
+                    print(arch, launch.kernel, c.error or "ok", r.scratch_bytes, r.spills or 0)
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 6, result.stdout
+    for line in lines:
+        arch, kernel, status, stack, spills = line.split()
+        assert status == "ok" and stack == "0" and spills == "0", line
