@@ -158,11 +158,11 @@ def test_the_asm_uses_only_the_operands_its_constraints_declare(text):
 def test_asm_tiles_are_checked_and_refused_where_they_cannot_run():
     Tile = moe_mxfp4.Mxfp4Tile
     with pytest.raises(ValueError, match="swap kernel"):
-        moe_mxfp4._check_tile(Tile(16, 64, 128, 4, 3, asm_decode=True))
+        moe_mxfp4.check_tile(Tile(16, 64, 128, 4, 3, asm_decode=True))
     with pytest.raises(ValueError, match="decode of its own"):
-        moe_mxfp4._check_tile(Tile(16, 64, 128, 4, 3, swap=True, half_math=True, asm_decode=True))
+        moe_mxfp4.check_tile(Tile(16, 64, 128, 4, 3, swap=True, half_math=True, asm_decode=True))
     with pytest.raises(ValueError, match="gemv"):
-        moe_mxfp4._check_tile(Tile(1, 64, 128, 4, 3, gemv=True, asm_decode=True))
+        moe_mxfp4.check_tile(Tile(1, 64, 128, 4, 3, gemv=True, asm_decode=True))
     gen = torch.Generator().manual_seed(3)
     experts, dim, inter = 2, 64, 32
     w13p = torch.randint(0, 256, (experts, 2 * inter, dim // 2), dtype=torch.uint8, generator=gen)

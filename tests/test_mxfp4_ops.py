@@ -187,7 +187,7 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
             assert fp16 == want._replace(half_math=False, asm_decode=False)
-            moe_mxfp4._check_tile(fp16)
+            moe_mxfp4.check_tile(fp16)
             moe_mxfp4._check_dtype(fp16, torch.zeros(1, 8, dtype=torch.float16))
     # the cases the fp16 rule exists for
     assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
@@ -202,7 +202,7 @@ def test_sm90_tail_tile_only_past_one_whole_block_an_expert():
         prefill = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]
         tail = moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.bfloat16)
         assert tail == moe_mxfp4.MXFP4_TAIL_TILES_NVIDIA["prefill"] and tail.block_m < prefill.block_m
-        moe_mxfp4._check_tile(tail)
+        moe_mxfp4.check_tile(tail)
         assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 8192, 112, torch.bfloat16) is None
         assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.float16) is None
         assert moe_mxfp4.mxfp4_tail_tile(cpu, moe_mxfp4.MXFP4_TILES_NVIDIA["decode"], 16, 112) is None

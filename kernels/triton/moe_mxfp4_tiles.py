@@ -1,0 +1,182 @@
+"""The MXFP4 expert GEMMs' launch shapes: `Mxfp4Tile` (block sizes and kernel variant), the per-device tables by
+row class (the H200 sweep winners for sm_90, `tl.dot_scaled` tiles for sm_100 / gfx950, the interpreter's wide
+tile), the choice per call (`mxfp4_tile`, `mxfp4_tail_tile`) and the checks that refuse a tile whose options cannot
+apply (`check_tile`). The kernels are in `kernels.triton.moe_mxfp4` and its swap / gemv modules.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.triton.tuning_ops import current_arch, target
+
+SCALE_BLOCK = 32                   # columns per E8M0 scale
+
+
+class Mxfp4Tile(NamedTuple):
+    """Launch shape of both GEMMs: rows per block (one expert each), output columns and K columns per step."""
+    block_m: int
+    block_n: int
+    block_k: int                   # a multiple of 2 * SCALE_BLOCK: each half-step covers whole scale groups
+    num_warps: int
+    num_stages: int
+    swap: bool = False             # the weight as the dot's first operand (`kernels.triton.moe_mxfp4_swap`)
+    split_x: bool = False          # swap only: x / hidden read as contiguous rows and split into even / odd k
+    scaled: bool = False           # swap only: `tl.dot_scaled` on the packed bytes (bf16 / fp16 activations)
+    half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
+    gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
+    #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
+    prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
+    asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
+    #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); every sm_90 default since
+    #                                the H200 sweeps at a9a24dd and a0961ce
+    natural_k: bool = False        # swap only: the decoded halves interleaved back into column order, so x / hidden
+    #                                are read as they lie (no even / odd split) and each product is one dot
+    presplit: bool = False         # swap only: x and hidden laid out per block_k columns as [even | odd] before the
+    #                                kernels read them (x by one gather per call, hidden by gate/up's store), so
+    #                                each half-K operand is a contiguous run (cp.async) and no split is needed
+    stacked: bool = False          # swap only: a gate/up program covers block_n / 2 columns of I, its weight tile
+    #                                their gate rows over their up rows: one dot per half-K step (half the decoded
+    #                                tiles held at once); the down kernel ignores it
+
+
+# Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
+# decode: up to one row per expert (K3 at 1-7 tokens); decode_batch: 1-16 rows per expert (8-112 tokens), where
+# the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256 tokens has 37 per expert); prefill: more
+# (K3 at 512 tokens has 73 per expert).
+MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
+# NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
+# class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
+# the PTX decode (asm_decode). decode / decode_batch / mid at c4e0f57 (bench/results/moe-mxfp4-stacked-*.json):
+# presplit x and stacked gate/up rows, 1.77x the bf16 experts at 1 token, 2.06x at 4, 2.14x at 16, 1.94x at 64,
+# 1.10x at 256 (mid); in the same run the tiles before them (block_k 256 presplit, b4dbadc; the mid class's
+# 64-row split_x) gave 1.49x, 1.65x, 1.74x, 1.60x and 0.97x. Stacking halves the decoded tiles gate/up holds at
+# once (offline sm_90: 255 registers and 64 B of stack -> 167 and none, 2 -> 3 programs an SM). prefill at
+# a0961ce (moe-mxfp4-sweep-nvidia-h200.json / .txt) with the 32-row tails of 92cbc45: 0.70-0.71x at 512 tokens,
+# 0.63-0.64x at 1024 in this session's sweeps; presplit and stacked tiles came within 1% of it there (d2d76ad,
+# c4e0f57), so it stays. At 255 registers the prefill gate/up kernel keeps 40 bytes of stack (offline sm_90
+# compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
+# float32 decode.
+MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True, split_x=False,
+                        scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
+                        presplit=True, stacked=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
+                              split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
+                              asm_decode=True, natural_k=False, presplit=True, stacked=True),
+    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+                     scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
+                     presplit=True, stacked=True),
+    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+}
+
+
+# Mixed block heights at prefill: with more than BLOCK_M routed rows an expert on average, each expert's rows past
+# its last whole 128-row block go to shorter blocks (this tile) instead of a second 128-row block, so that the MMA
+# does about the real rows (146 an expert at 16K routed rows: 128 + 32 or 64, not 256). Experts under one block keep
+# their one padded 128-row block. H200 at 92cbc45, K3's shapes, 16K routed rows (bench/results/moe-mxfp4-*):
+# one height 6.27 ms (0.54x the bf16 experts), 64-row tails 5.79 ms (0.59x), 32-row tails 5.24 ms (0.65x).
+MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "prefill": Mxfp4Tile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
+                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+}
+
+# sm_100 and gfx950 (bf16 / fp16 activations): `tl.dot_scaled` on the packed bytes, the brief's "native MXFP4"
+# targets. With bf16 activations Triton 3.6 lowers it there by upcasting the e2m1 operand in its own decode
+# (fp4_to_fp on sm_100, amdg.scaled_upcast_fp on gfx950, in the offline TTGIR): both MMA operands must be MX
+# formats for the native MXFP4 MMA. Compiled offline for both (tests/test_offline_compile.py), never run there;
+# its numerics are Triton's on every target and are checked on sm_90 by bench.moe_mxfp4_sweep (scaled tiles).
+DOT_SCALED_ARCHES = ("sm_100", "gfx950")
+MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
+    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
+    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                              scaled=True),
+    "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
+}
+
+
+# The CPU interpreter runs each program in Python, so its cost is per program and per op, not per element: wide
+# tiles are what make it fast (k3-demo-sized experts, 1-16 tokens: 256 x 256 ran 9-11x faster than 32 x 64).
+# Multi-step K loops and masked tails at small tiles are tested with explicit tiles (tests/test_mxfp4_ops.py).
+INTERPRETER_TILE = Mxfp4Tile(block_m=16, block_n=256, block_k=256, num_warps=1, num_stages=1)
+
+
+def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
+    rows_per_expert = num_pairs / max(1, num_experts)
+    return next(name for bound, name in MXFP4_ROW_CLASSES if bound is None or rows_per_expert <= bound)
+
+
+def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
+               dtype: torch.dtype | None = None) -> Mxfp4Tile:
+    """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`); elsewhere rows
+    per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
+    blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
+    stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
+    on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
+    rows_per_expert = num_pairs / max(1, num_experts)
+    if target(device) == "interpreter":
+        return INTERPRETER_TILE
+    if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
+        return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
+    if target(device) == "nvidia" and element_size <= 2:
+        tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False, asm_decode=False)
+    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
+    if element_size > 2:
+        block_m = min(block_m, 64)
+    return Mxfp4Tile(block_m=block_m, block_n=64 if block_m <= 64 else 128, block_k=128,
+                     num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
+
+
+
+def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_experts: int,
+                    dtype: torch.dtype | None = None) -> Mxfp4Tile | None:
+    """The shorter block for each expert's rows past its whole `tile` blocks (`MXFP4_TAIL_TILES_NVIDIA`), or None
+    (one height): NVIDIA bf16 prefill only, and only when the mean rows an expert exceed one block (knowing that
+    some expert does would cost a host sync)."""
+    if target(device) != "nvidia" or dtype not in (None, torch.bfloat16) or current_arch() in DOT_SCALED_ARCHES:
+        return None
+    tail = MXFP4_TAIL_TILES_NVIDIA.get(mxfp4_row_class(num_pairs, num_experts))
+    if tail is None or num_pairs <= tile.block_m * max(1, num_experts):
+        return None
+    return tail
+
+
+def check_tile(tile: Mxfp4Tile) -> None:
+    """Refuse, by name, a tile whose options cannot apply together."""
+    if tile.prefetch and not tile.gemv:
+        raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
+    if tile.gemv:
+        if (tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k
+                or tile.presplit or tile.stacked):
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile has no dot, so swap, split_x, scaled, half_math, "
+                             f"asm_decode, natural_k, presplit and stacked do not apply; set them False, got {tile}")
+        if not 1 <= tile.block_m <= 16 or tile.block_m & (tile.block_m - 1) or tile.block_k < SCALE_BLOCK or (
+                tile.block_k & (tile.block_k - 1)):
+            raise ValueError(f"moe_experts_mxfp4: a gemv tile needs block_m a power of two in [1, 16] and block_k "
+                             f"a power of two >= {SCALE_BLOCK}, got {tile}")
+        return
+    if tile.block_k % (2 * SCALE_BLOCK) or tile.block_m < 16 or tile.block_m & (tile.block_m - 1):
+        raise ValueError(f"moe_experts_mxfp4: block_k must be a multiple of {2 * SCALE_BLOCK} and block_m a power "
+                         f"of two >= 16, got {tile}")
+    if (tile.split_x or tile.scaled or tile.half_math or tile.asm_decode) and not tile.swap:
+        raise ValueError(f"moe_experts_mxfp4: split_x, scaled, half_math and asm_decode are options of the swap "
+                         f"kernel; set swap=True, got {tile}")
+    if tile.natural_k and (not tile.swap or tile.split_x or tile.scaled):
+        raise ValueError(f"moe_experts_mxfp4: natural_k is an option of the swap kernel's own decode that reads x "
+                         f"in column order; set swap=True, split_x and scaled False, got {tile}")
+    if tile.stacked and (not tile.swap or tile.scaled or tile.natural_k or tile.block_n < 32):
+        raise ValueError(f"moe_experts_mxfp4: stacked is an option of the swap kernel's own decode (two dots a K "
+                         f"step); set swap=True, scaled and natural_k False and block_n >= 32, got {tile}")
+    if tile.presplit and (not tile.swap or tile.split_x or tile.scaled or tile.natural_k):
+        raise ValueError(f"moe_experts_mxfp4: presplit is an option of the swap kernel's own decode that reads x "
+                         f"already split into even / odd columns; set swap=True, split_x, scaled and natural_k "
+                         f"False, got {tile}")
+    if tile.asm_decode and (tile.scaled or tile.half_math):
+        raise ValueError(f"moe_experts_mxfp4: asm_decode is a decode of its own; set scaled and half_math False, "
+                         f"got {tile}")
