@@ -156,36 +156,43 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
         result.stdout
 
 
-def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():
-    """The gemv decode tiles (no tl.dot; bench.moe_mxfp4_sweep's one-row and four-row candidates, and one with the
-    next step's words prefetched) compile for sm_90, gfx942 and gfx950 at K3's per-GPU shapes with no local-memory
-    stack (NVIDIA) and no VGPR spills (AMD)."""
-    result = _python("""
+def _mxfp4_compiles(tiles: str, archs: tuple[str, ...], experts: int, kernels: str) -> list[str]:
+    """Compile the launches of `moe_experts_mxfp4` at 4 tokens and K3's per-GPU widths for each tile (`tiles`: a
+    Python expression over Mxfp4Tile) and arch, kernels whose name contains `kernels`; a line per launch:
+    'arch block_m kernel status stack spills'."""
+    result = _python(f"""
         import torch
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
-        experts, latent, width, top_k = 112, 3584, 3072, 16
+        experts, latent, width, top_k = {experts}, 3584, 3072, 16
         u8 = dict(dtype=torch.uint8)
         w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
         w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
-        tiles = (Mxfp4Tile(1, 64, 128, 4, 3, gemv=True), Mxfp4Tile(4, 32, 128, 4, 3, gemv=True),
-                 Mxfp4Tile(1, 64, 128, 4, 3, gemv=True, prefetch=True))
-        for arch in ("sm_90", "gfx942", "gfx950"):
+        for arch in {archs!r}:
             target = offline_target(arch)
-            for tile in tiles:
+            for tile in {tiles}:
                 with capture(target) as recorder:
                     ids = torch.arange(4 * top_k).view(4, top_k) % experts
                     moe_experts_mxfp4(torch.empty(4, latent, dtype=torch.bfloat16), *w13, *w2,
                                       torch.full((4, top_k), 1 / top_k), ids, "situ", 4.0, 25.0, tile=tile)
                 for _, launch in recorder.launches:
-                    if "gemv" in launch.kernel:
+                    if {kernels!r} in launch.kernel:
                         c = compile_launch(launch, target)
                         r = c.resources
                         print(arch, tile.block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.spills or 0)
     """)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 18, result.stdout
+    return result.stdout.splitlines()
+
+
+def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling():
+    """The gemv decode tiles (no tl.dot; bench.moe_mxfp4_sweep's one-row and four-row candidates, and one with the
+    next step's words prefetched) compile for sm_90, gfx942 and gfx950 at K3's per-GPU shapes with no local-memory
+    stack (NVIDIA) and no VGPR spills (AMD)."""
+    lines = _mxfp4_compiles("(Mxfp4Tile(1, 64, 128, 4, 3, gemv=True), Mxfp4Tile(4, 32, 128, 4, 3, gemv=True), "
+                            "Mxfp4Tile(1, 64, 128, 4, 3, gemv=True, prefetch=True))",
+                            ("sm_90", "gfx942", "gfx950"), 112, "gemv")
+    assert len(lines) == 18, lines
     for line in lines:
         arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line
@@ -193,32 +200,11 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
 
 def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spilling():
     """The presplit / stacked swap kernels (sm_90's decode defaults, there with the PTX decode) are portable Triton
-    without it: with the Triton decode they compile for gfx942, gfx950 and sm_100 at K3's per-GPU shapes with no
+    without it: with the Triton decode they compile for gfx942, gfx950 and sm_100 at K3's per-GPU widths with no
     VGPR spills or local-memory stack. Never run on those devices."""
-    result = _python("""
-        import torch
-        from backends.offline import capture, compile_launch, offline_target
-        from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
-        experts, latent, width, top_k = 8, 3584, 3072, 16
-        u8 = dict(dtype=torch.uint8)
-        w13 = (torch.empty(experts, 2 * width, latent // 2, **u8), torch.empty(experts, 2 * width, latent // 32, **u8))
-        w2 = (torch.empty(experts, latent, width // 2, **u8), torch.empty(experts, latent, width // 32, **u8))
-        tile = Mxfp4Tile(16, 64, 256, 4, 2, swap=True, presplit=True, stacked=True)
-        for arch in ("gfx942", "gfx950", "sm_100"):
-            target = offline_target(arch)
-            with capture(target) as recorder:
-                ids = torch.arange(4 * top_k).view(4, top_k) % experts
-                moe_experts_mxfp4(torch.empty(4, latent, dtype=torch.bfloat16), *w13, *w2,
-                                  torch.full((4, top_k), 1 / top_k), ids, "situ", 4.0, 25.0, tile=tile)
-            for _, launch in recorder.launches:
-                if "swap" in launch.kernel:
-                    c = compile_launch(launch, target)
-                    r = c.resources
-                    print(arch, launch.kernel, c.error or "ok", r.scratch_bytes, r.spills or 0)
-    """)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 6, result.stdout
+    lines = _mxfp4_compiles("(Mxfp4Tile(16, 64, 256, 4, 2, swap=True, presplit=True, stacked=True),)",
+                            ("gfx942", "gfx950", "sm_100"), 8, "swap")
+    assert len(lines) == 6, lines
     for line in lines:
-        arch, kernel, status, stack, spills = line.split()
+        arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line
