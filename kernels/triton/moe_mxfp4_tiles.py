@@ -54,7 +54,7 @@ MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "p
 # 64-row split_x) gave 1.49x, 1.65x, 1.74x, 1.60x and 0.97x. Stacking halves the decoded tiles gate/up holds at
 # once (offline sm_90: 255 registers and 64 B of stack -> 167 and none, 2 -> 3 programs an SM). prefill at
 # a0961ce (moe-mxfp4-sweep-nvidia-h200.json / .txt) with the 32-row tails of 92cbc45: 0.70-0.71x at 512 tokens,
-# 0.63-0.64x at 1024 in this session's sweeps; presplit and stacked tiles came within 1% of it there (d2d76ad,
+# 0.63-0.64x at 1024 in this session's sweeps; presplit and stacked tiles came within 1.3% of it there (d2d76ad,
 # c4e0f57), so it stays. At 255 registers the prefill gate/up kernel keeps 40 bytes of stack (offline sm_90
 # compile). A rerun prints a `paste:` line per class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
