@@ -263,7 +263,8 @@ def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
                   EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
                   SCALE_FOLD: tl.constexpr, NATURAL_K: tl.constexpr = False, PRESPLIT: tl.constexpr = False):
     """One K step of gate/up with the in-register decode: four half-K dots (even / odd columns, gate / up), or
-    with NATURAL_K two whole-K dots on the decoded halves interleaved back into column order."""
+    with NATURAL_K two whole-K dots on the decoded halves interleaved back into column order. PRESPLIT: x rows
+    arrive [even | odd] per step (`_rows_t`)."""
     if NATURAL_K:
         x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, 2 * HALF_K, EVEN_K)        # [BLOCK_K, BLOCK_M]
         gate = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,

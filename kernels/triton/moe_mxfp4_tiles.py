@@ -133,7 +133,6 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
                      num_warps=4 if block_m <= 64 else 8, num_stages=3 if target(device) == "nvidia" else 2)
 
 
-
 def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_experts: int,
                     dtype: torch.dtype | None = None) -> Mxfp4Tile | None:
     """The shorter block for each expert's rows past its whole `tile` blocks (`MXFP4_TAIL_TILES_NVIDIA`), or None
