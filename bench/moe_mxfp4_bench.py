@@ -135,9 +135,10 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
 
 
 def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None = None) -> str:
-    """'16x64x128 w4 s3 swap asm_decode scale_fold': block m x n x k, warps, stages and the options that are on
-    (scale_fold: the swap kernels fold their decode constant under this `max_scale`), then ' + tail ...' with the
-    tail blocks' tile where the op runs two block heights (`mxfp4_tail_tile`)."""
+    """'16x64x128 w4 s3 swap asm_decode scale_fold': block m (block_m+tail_m with a tail part) x n x k, warps,
+    stages and the options that are on (scale_fold: the swap kernels fold their decode constant under this
+    `max_scale`), then ' + tail ...' with the tail blocks' tile where the op runs two block heights
+    (`mxfp4_tail_tile`)."""
     tile = load("kernels.triton.moe_mxfp4:mxfp4_tile")(x.device, pairs, experts, x.element_size(), x.dtype)
     tail = load("kernels.triton.moe_mxfp4:mxfp4_tail_tile")(x.device, tile, pairs, experts, x.dtype)
     fold = load("kernels.triton.moe_mxfp4:scale_fold")(max_scale)
@@ -146,7 +147,8 @@ def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None
         flags = [name for name, value in t._asdict().items() if value is True]
         if t.swap and not t.scaled and fold:
             flags.append("scale_fold")
-        return " ".join([f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", *flags])
+        rows = f"{t.block_m}+{t.tail_m}" if t.tail_m else f"{t.block_m}"
+        return " ".join([f"{rows}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", *flags])
     return label(tile) + (f" + tail {label(tail)}" if tail is not None else "")
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from k3core.model.mxfp4 import _code_table, _scale_table
 from kernels.triton import moe_mxfp4
-from kernels.triton.moe_mxfp4_swap import (
+from kernels.triton.moe_mxfp4_operands import (
     _ASM_PAIR_DECODE,
     _ASM_PAIR_DECODE_FOLDED,
     FOLD_MAX_SCALE,

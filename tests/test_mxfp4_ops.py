@@ -16,7 +16,7 @@ from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_swap  # noqa: E402
+from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_operands, moe_mxfp4_swap  # noqa: E402
 
 # the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
@@ -168,7 +168,14 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (GEMV_TILE._replace(stacked=True), "gemv tile has no dot"),
                         (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
                         (GEMV_TILE._replace(block_m=32), "power of two in"),
-                        (GEMV_TILE._replace(block_k=96), "power of two in")):
+                        (GEMV_TILE._replace(block_k=96), "power of two in"),
+                        (SMALL_TILE._replace(tail_m=16), "tail_m is an option"),
+                        (SWAP_TILE._replace(tail_m=16, scaled=True), "tail_m is an option"),
+                        (NATURAL_TILE._replace(tail_m=16), "tail_m is an option"),
+                        (GEMV_TILE._replace(tail_m=16), "tail_m is an option"),
+                        (SWAP_TILE._replace(tail_m=8), "tail_m is an option"),
+                        (SWAP_TILE._replace(tail_m=24), "tail_m is an option"),
+                        (SWAP_TILE._replace(tail_m=32), "tail_m is an option")):   # longer than block_m
         with pytest.raises(ValueError, match=match):
             moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
                                         25.0, tile=tile)
@@ -267,7 +274,7 @@ def _decode_rows_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_
                         BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, SCALE_FOLD: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_N)
     expert = tl.program_id(0) * 0
-    low, high = moe_mxfp4_swap._weight_rows(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
+    low, high = moe_mxfp4_operands._weight_rows(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
                                             rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K,
                                             BLOCK_N, tl.float32, EVEN_K, SCALE_FOLD=SCALE_FOLD)
     j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)
@@ -472,3 +479,51 @@ def test_two_block_heights_give_the_one_height_result(offset):
     assert (two - one).abs().max() <= 1e-5 * want.abs().max()                  # float32 rounding, not a lost row
     _, cut = moe_blocks.split_tail_pairs(ids, offset, experts, tile.block_m)
     assert (cut == offset + 4).sum() == 51 - 32 and ((cut == offset + 4) | (cut == offset + experts)).all()
+
+
+# one program over a 32-row part and a 16-row tail (`Mxfp4Tile.tail_m`): split x, presplit + stacked, plain halves
+TAIL_TILES = {"split": SPLIT_TILE._replace(block_m=32, tail_m=16),
+              "presplit-stacked": STACKED_TILE._replace(block_m=32, tail_m=16, presplit=True),
+              "plain": SWAP_TILE._replace(block_m=32, tail_m=16)}
+
+
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("name", list(TAIL_TILES))
+def test_tail_blocks_take_every_path_and_match_the_oracle(name, activation):
+    """48-row blocks (32 + a 16-row tail), every path of the kernels against the float64 oracle: expert 1 has one
+    row and expert 4's second block 16 (the tail-sized dot alone), expert 2 has 20 (the 32-row dot alone), expert 3
+    has 43 and expert 4's first block 48 (both dots on one decode, the tail partly and wholly real); expert 0 has
+    none. A path that dropped rows or wrote the wrong ones moves those rows' outputs far outside the bound. D = I =
+    96 (K not a multiple of the 64-column step); the rows come in shuffled token order."""
+    gen = torch.Generator().manual_seed(41)
+    tokens, experts, top_k = 64, 5, 2
+    w13_packed, w13_scale, w2_packed, w2_scale, x, weights = _problem(gen, tokens, 96, 96, experts, top_k)
+    second = torch.tensor([3] * 43 + [2] * 20 + [1])
+    ids = torch.stack([torch.full((tokens,), 4), second], 1)[torch.randperm(tokens, generator=gen)]
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert counts.tolist() == [0, 1, 20, 43, 64]
+    tile = TAIL_TILES[name]
+    assert tile.height == 48
+    got = moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation, 4.0,
+                                      25.0, tile=tile)
+    _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, activation))
+
+
+def test_tail_blocks_group_pairs_at_the_whole_height():
+    """The host side of a tail tile: pairs grouped into block_m + tail_m rows (hidden and the row buffer sized by
+    it), and on sm_90 prefill the two-height split measured against that height, not block_m alone."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    tile = TAIL_TILES["split"]
+    gen = torch.Generator().manual_seed(42)
+    ids = torch.randint(0, 3, (30, 2), generator=gen)
+    blocks = moe_blocks.group_pairs_by_expert(ids, 0, 3, tile.height)
+    w13_packed, w13_scale = _random_experts(gen, 3, 2 * 64, 64)
+    hidden = moe_mxfp4.gate_up(torch.randn(30, 64, generator=gen), w13_packed, w13_scale, blocks, 2, "silu", None,
+                               None, tile)
+    assert hidden.shape == (blocks.block_experts.numel() * 48, 64)
+    cpu = torch.device("cpu")
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        tall = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]._replace(block_m=128, tail_m=32)
+        # 146 rows an expert: past 128, within 160: one tail-tile block each, so no second height
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, tall, 16384, 112, torch.bfloat16) is None
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, tall._replace(tail_m=0), 16384, 112, torch.bfloat16) is not None

@@ -176,6 +176,11 @@ def _scaled(tile: Mxfp4Tile, scale_fold: bool) -> dict:
              "PRESPLIT": tile.presplit} if tile.swap else {})
 
 
+def _tail(tile: Mxfp4Tile) -> dict:
+    """The swap kernels' TAIL_M (rows past BLOCK_M in each block; passed only when set)."""
+    return {"TAIL_M": tile.tail_m} if tile.tail_m else {}
+
+
 def scale_fold(max_scale: int | None) -> bool:
     """Whether a call's scale bound lets the swap kernels fold their decode constant into the scale."""
     if max_scale is None:
@@ -235,7 +240,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     # presplit with I not a multiple of block_k: the columns past I are read by down (against zero weights), so
     # they must be finite
     alloc = torch.zeros if width != inter_dim else torch.empty
-    hidden = alloc(num_blocks * tile.block_m, width, dtype=x.dtype, device=x.device)     # [P_pad, I] (or padded)
+    hidden = alloc(num_blocks * tile.height, width, dtype=x.dtype, device=x.device)     # [P_pad, I] (or padded)
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
     if tile.gemv:
@@ -261,7 +266,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold), **stacked)
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold), **stacked,
+        **_tail(tile))
     return hidden
 
 
@@ -279,9 +285,9 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
                          f"I={inter_dim}, got {hidden.shape[1]}")
     num_blocks = blocks.block_experts.numel()
     if rows_out is None:
-        rows_out = torch.empty(num_blocks * tile.block_m, hidden_dim, dtype=torch.float32, device=hidden.device)
-    elif rows_out.shape != (num_blocks * tile.block_m, hidden_dim) or rows_out.dtype != torch.float32:
-        raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.block_m, hidden_dim)}, "
+        rows_out = torch.empty(num_blocks * tile.height, hidden_dim, dtype=torch.float32, device=hidden.device)
+    elif rows_out.shape != (num_blocks * tile.height, hidden_dim) or rows_out.dtype != torch.float32:
+        raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     if tile.gemv:
         words = _words(w2_packed)
@@ -299,7 +305,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
-        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold))
+        SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold),
+        **_tail(tile))
     return rows_out
 
 
@@ -334,7 +341,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
         args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
                 situ_linear_beta, fold)
         if chunk_tail is None:
-            blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.block_m)
+            blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.height)
             rows_out, row_of_pair = _expert_rows(*args, blocks, chunk_tile), blocks.row_of_pair
         else:
             rows_out, row_of_pair = _two_height_rows(*args, ids, expert_offset, num_experts, chunk_tile, chunk_tail)
@@ -354,11 +361,11 @@ def _two_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
                      tail_tile: Mxfp4Tile) -> tuple[torch.Tensor, torch.Tensor]:
     """Both GEMMs over the whole blocks in `tile` and the tails in `tail_tile`, into one row buffer (whole rows
     first): the rows and each pair's row in it."""
-    whole_ids, tail_ids = split_tail_pairs(expert_ids, expert_offset, num_experts, tile.block_m)
-    whole = group_pairs_by_expert(whole_ids, expert_offset, num_experts, tile.block_m)
-    tail = group_pairs_by_expert(tail_ids, expert_offset, num_experts, tail_tile.block_m)
-    whole_rows = whole.block_experts.numel() * tile.block_m
-    rows_out = torch.empty(whole_rows + tail.block_experts.numel() * tail_tile.block_m, w2_packed.shape[1],
+    whole_ids, tail_ids = split_tail_pairs(expert_ids, expert_offset, num_experts, tile.height)
+    whole = group_pairs_by_expert(whole_ids, expert_offset, num_experts, tile.height)
+    tail = group_pairs_by_expert(tail_ids, expert_offset, num_experts, tail_tile.height)
+    whole_rows = whole.block_experts.numel() * tile.height
+    rows_out = torch.empty(whole_rows + tail.block_experts.numel() * tail_tile.height, w2_packed.shape[1],
                            dtype=torch.float32, device=x.device)
     args = (x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta, fold)
     _expert_rows(*args, whole, tile, rows_out[:whole_rows])

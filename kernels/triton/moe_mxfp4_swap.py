@@ -8,12 +8,9 @@ few token rows are the dot's narrow N (16 and up), and the weight bytes are read
 per row and scale group. At prefill the same kernel takes tall row blocks (BLOCK_M 64-256 as the dot's N), each
 decoded weight tile reused by all of them.
 
-Decoding a byte: the low nibble is column 2j, the high nibble 2j + 1 (`k3core.model.mxfp4`). The three magnitude
-bits of a code placed at bits 9-11 of a float16 and its sign at bit 15 make the float16 code * 2^-14 exactly
-(index 1, 0.5, becomes the float16 subnormal 2^-15, which the float16 -> float32 conversion keeps exactly), so a
-code costs two masks, two shifts and an or instead of a select over the magnitude index. It is then scaled by 2^14
-and by its E8M0 scale in float32 (in that order, so no subnormal intermediate) and cast to x's dtype; the two
-half-K dots (even columns of x against the low nibbles, odd ones against the high) need no nibble interleave.
+The operands (the in-register decode, x / hidden halves, `tl.dot_scaled`) are in `kernels.triton.moe_mxfp4_operands`.
+With a tail (`Mxfp4Tile.tail_m`) a block is BLOCK_M + TAIL_M rows of one expert, and a program whose tail holds a
+pair decodes each weight tile once for the dots of both parts (`_gate_up_two`, `_down_two`).
 """
 from __future__ import annotations
 
@@ -21,239 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton.activation import glu_f32
-
-
-@triton.jit
-def _e8m0_f32(scale):
-    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
-    byte = tl.minimum(scale, 254)
-    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_bf16_bits(scale):
-    """int32 scale bytes -> the int32 bit patterns of bf16 2^(byte - 127) (what `_e8m0_f32(scale).to(bfloat16)`
-    gives, without the conversion): byte << 7 is the exponent field, the floor 0x40 is byte 0's subnormal 2^-127
-    (every other byte shifts to 0x80 or more) and the ceiling 0x7F00 reads 255 as 254; two min / max and no select
-    (a compare and a select per scale cost 34 more instructions in the sm_90 decode-batch gate/up loop)."""
-    return tl.minimum(tl.maximum(scale << 7, 0x40), 0x7F00)
-
-
-@triton.jit
-def _e8m0_bf16(scale):
-    """int32 scale bytes -> bf16 2^(byte - 127) (`_e8m0_bf16_bits` bitcast)."""
-    return _e8m0_bf16_bits(scale).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-# SCALE_FOLD: every scale byte of the call is at most FOLD_MAX_SCALE (the op's `max_scale`, measured at load), so
-# the decode's constant factor (2^126 for bf16 codes, 2^14 for float16 ones) folds into the scale: 2^(byte - 1)
-# is a normal bf16 for byte <= 128, 2^(byte - 113) a normal float32, and each product is the same exact
-# code * 2^(byte - 127) as with two multiplies, one multiply per code (or bf16 pair) fewer. Checkpoint scales sit
-# far below (weights of magnitude <= 12 need byte <= 128; K3's are near 2^-8, byte ~119).
-FOLD_MAX_SCALE = 128
-
-
-@triton.jit
-def _e8m0_bf16_folded_bits(scale):
-    """int32 scale bytes <= FOLD_MAX_SCALE -> the int32 bits of bf16 2^(byte - 1): 2^126 x the E8M0 scale."""
-    return (scale + 126) << 7
-
-
-@triton.jit
-def _e8m0_f32_folded(scale):
-    """int32 scale bytes <= FOLD_MAX_SCALE -> float32 2^(byte - 113): 2^14 x the E8M0 scale."""
-    return ((scale + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _f16_code(bits):
-    """int32 float16 bit patterns of code * 2^-14 -> the code as float32 (exact)."""
-    return _f16_code_scaled(bits) * 16384.0
-
-
-@triton.jit
-def _f16_code_scaled(bits):
-    """int32 float16 bit patterns of code * 2^-14 -> code * 2^-14 as float32 (exact)."""
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-# Two packed bytes ($2, 16 bits) and their two bf16 scales ($3) -> the low-nibble codes ($0) and the high-nibble
-# codes ($1) as bf16 pairs, times the scale. prmt spreads the bytes to the two 16-bit halves of a register (t); a
-# code's three magnitude bits shifted to bits 6-8 of its half and its sign to bit 15 make the bf16 code * 2^-126
-# exactly (index 1, 0.5, is the subnormal 2^-127); x 2^126 restores the code and x the scale (2^(byte - 127),
-# 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the float32 path gives. The low
-# nibbles take one mask for both shifts: t << 6 has no bits at the sign positions (15, 31) and t << 12 none at the
-# magnitude ones (6-8, 22-24), so the or of the two masked once is the code; the high nibbles' t << 8 does carry
-# bits at 8 and 24 (the low nibbles' bit 0), so each shift is masked on its own. Two bytes per call: the 16-bit
-# operand is what the dot's A fragment holds in one register (four bytes per call made Triton gather bytes from
-# two rows with a prmt each), 5 instructions a code in the sm_90 decode-batch gate/up loop against about 11 for the
-# float32 path.
-def _pair_decode_ptx(fold: bool) -> str:
-    """The asm text; `fold`: the scale operand already carries the 2^126 (SCALE_FOLD), one multiply per pair."""
-    times = ("mul.rn.bf16x2 {out}, a, $3;" if fold else "mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, $3;")
-    return "\n".join([
-        "{",
-        ".reg .b32 t, a, b, c126;",
-        "mov.b32 c126, 0x7E807E80;",
-        "cvt.u32.u16 t, $2;",
-        "prmt.b32 t, t, 0, 0x4140;",
-        "shl.b32 a, t, 6;  shl.b32 b, t, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;",
-        times.format(out="$0"),
-        "shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;",
-        times.format(out="$1"),
-        "}"])
-
-
-_ASM_PAIR_DECODE = tl.constexpr(_pair_decode_ptx(fold=False))
-_ASM_PAIR_DECODE_FOLDED = tl.constexpr(_pair_decode_ptx(fold=True))
-
-
-@triton.jit
-def _asm_pair_decode(byte, scale_bf16, SCALE_FOLD: tl.constexpr = False):
-    """uint8 code bytes and bf16 scales (same shape) -> (low nibbles, high nibbles) x scale in bf16: NVIDIA PTX
-    (sm_90+: mul.rn.bf16x2), two bytes per call. SCALE_FOLD: the scales are 2^126 x E8M0 (one multiply fewer)."""
-    if SCALE_FOLD:
-        return tl.inline_asm_elementwise(_ASM_PAIR_DECODE_FOLDED, "=r,=r,h,r", [byte, scale_bf16],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-    return tl.inline_asm_elementwise(_ASM_PAIR_DECODE, "=r,=r,h,r", [byte, scale_bf16],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-
-
-@triton.jit
-def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False,
-                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False):
-    """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
-    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
-    of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
-    load; the row mask is constant along them. SCALE_FOLD: every scale byte is <= FOLD_MAX_SCALE (one multiply
-    per code or pair fewer, the same values)."""
-    j = tl.arange(0, HALF_K)
-    if EVEN_K:
-        mask = row_mask[:, None]                                        # broadcast: constant along K
-    else:
-        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]  # num_k is a multiple of 32: both halves
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
-    raw = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)                  # [BLOCK_N, HALF_K]
-    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
-    g = tl.arange(0, GROUPS)
-    if EVEN_K:
-        scale_mask = row_mask[:, None]
-    else:
-        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
-    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
-    scale_byte = tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32)
-    if ASM_DECODE:
-        if SCALE_FOLD:
-            scale_bits = _e8m0_bf16_folded_bits(scale_byte)
-        else:
-            scale_bits = _e8m0_bf16_bits(scale_byte)
-        scale_bf16 = scale_bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-        scale_bf16 = tl.reshape(tl.broadcast_to(scale_bf16[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
-        return _asm_pair_decode(raw, scale_bf16, SCALE_FOLD)
-    if SCALE_FOLD:
-        scale = _e8m0_f32_folded(scale_byte)                            # 2^14 x the scale
-    else:
-        scale = _e8m0_f32(scale_byte)
-    byte = raw.to(tl.int32)
-    low_bits = ((byte & 7) << 9) | ((byte & 8) << 12)
-    high_bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
-    if HALF_MATH:
-        # bf16 only: the code in float16 (x 2^14 is exact there: |code| <= 6), then x the scale in bf16 (exact:
-        # a power of two, 2^-127 a bf16 subnormal), two elements per instruction; the same values as below
-        scale_bf16 = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (BLOCK_N, GROUPS, 16)),
-                                (BLOCK_N, HALF_K))
-        low = low_bits.to(tl.int16).to(tl.float16, bitcast=True)
-        high = high_bits.to(tl.int16).to(tl.float16, bitcast=True)
-        if SCALE_FOLD:                                                  # code * 2^-14 widens exactly to bf16
-            return low.to(tl.bfloat16) * scale_bf16, high.to(tl.bfloat16) * scale_bf16
-        return (low * 16384.0).to(tl.bfloat16) * scale_bf16, (high * 16384.0).to(tl.bfloat16) * scale_bf16
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, 16)), (BLOCK_N, HALF_K))
-    if SCALE_FOLD:
-        return (_f16_code_scaled(low_bits) * scale).to(DTYPE), (_f16_code_scaled(high_bits) * scale).to(DTYPE)
-    return (_f16_code(low_bits) * scale).to(DTYPE), (_f16_code(high_bits) * scale).to(DTYPE)
-
-
-@triton.jit
-def _weight_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
-                 SCALE_FOLD: tl.constexpr):
-    """`_weight_rows`' two halves interleaved back into column order: W rows `rows` for K columns
-    [k_start, k_start + 2 * HALF_K) as one [BLOCK_N, 2 * HALF_K] tile (column 2j the low nibble of byte j)."""
-    low, high = _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride,
-                             scale_expert_stride, scale_row_stride, rows, row_mask, k_start, num_k, HALF_K, BLOCK_N,
-                             DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
-    return tl.reshape(tl.join(low, high), (BLOCK_N, 2 * HALF_K))
-
-
-@triton.jit
-def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
-            SPLIT_X: tl.constexpr, PRESPLIT: tl.constexpr = False):
-    """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
-    to each row's first element), as the dot's second operands [HALF_K, BLOCK_M]. SPLIT_X loads the contiguous
-    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; PRESPLIT rows are already ordered
-    [even | odd] per 2 * HALF_K columns and zero-padded to a whole step (`presplit_columns`), so each half is a
-    contiguous run with no K mask; otherwise two stride-2 loads."""
-    if PRESPLIT:
-        j = tl.arange(0, HALF_K)
-        even = tl.load(row_ptrs[None, :] + (k_start + j)[:, None], mask=row_mask[None, :], other=0.0)
-        odd = tl.load(row_ptrs[None, :] + (k_start + HALF_K + j)[:, None], mask=row_mask[None, :], other=0.0)
-        return even, odd
-    if SPLIT_X:
-        ks = k_start + tl.arange(0, 2 * HALF_K)
-        if EVEN_K:
-            mask = row_mask[:, None]
-        else:
-            mask = row_mask[:, None] & (ks < num_k)[None, :]
-        tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)           # [BLOCK_M, 2 * HALF_K]
-        even, odd = tl.split(tl.reshape(tile, (BLOCK_M, HALF_K, 2)))
-        return tl.trans(even), tl.trans(odd)
-    k_even = k_start + 2 * tl.arange(0, HALF_K)
-    if EVEN_K:
-        mask = row_mask[None, :]
-    else:
-        mask = (k_even < num_k)[:, None] & row_mask[None, :]
-    even = tl.load(row_ptrs[None, :] + k_even[:, None], mask=mask, other=0.0)          # [HALF_K, BLOCK_M]
-    odd = tl.load(row_ptrs[None, :] + (k_even + 1)[:, None], mask=mask, other=0.0)
-    return even, odd
-
-
-@triton.jit
-def _scaled_dot(acc, packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                scale_row_stride, rows, row_mask, k_start, num_k, x_t, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                EVEN_K: tl.constexpr, X_FORMAT: tl.constexpr):
-    """acc + W[rows, k_start:k_start + 2 * HALF_K] x_t through `tl.dot_scaled`: the packed bytes and E8M0 scales
-    go to the MMA as they are (native MXFP4 on sm_100 / gfx950; elsewhere Triton upcasts them to bf16 itself).
-    Scale byte 255 is clamped to 254 first, as `k3core.model.mxfp4` reads it (E8M0 255 is NaN)."""
-    j = tl.arange(0, HALF_K)
-    if EVEN_K:
-        mask = row_mask[:, None]
-    else:
-        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
-    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)               # [BLOCK_N, HALF_K]
-    GROUPS: tl.constexpr = HALF_K // 16
-    g = tl.arange(0, GROUPS)
-    if EVEN_K:
-        scale_mask = row_mask[:, None]
-    else:
-        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
-    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
-    scale = tl.minimum(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127), 254)
-    return tl.dot_scaled(byte, scale.to(tl.uint8), "e2m1", x_t, None, X_FORMAT, acc)
-
-
-@triton.jit
-def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """K columns [k_start, k_start + BLOCK_K) of the rows behind `row_ptrs` [BLOCK_M], as [BLOCK_K, BLOCK_M]."""
-    ks = k_start + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        mask = row_mask[None, :]
-    else:
-        mask = (ks < num_k)[:, None] & row_mask[None, :]
-    return tl.load(row_ptrs[None, :] + ks[:, None], mask=mask, other=0.0)
+from kernels.triton.moe_mxfp4_operands import (  # noqa: F401  (FOLD_MAX_SCALE is part of this module's API)
+    FOLD_MAX_SCALE, _rows_k, _rows_t, _scaled_dot, _weight_rows, _weight_tile)
 
 
 @triton.jit
@@ -299,19 +65,59 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                          HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
                          SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
-                         PRESPLIT: tl.constexpr = False, STACKED: tl.constexpr = False):
-    """One (row block, column block of I): gate^T and up^T [BLOCK_N, BLOCK_M] in one K loop, the GLU in float32,
+                         PRESPLIT: tl.constexpr = False, STACKED: tl.constexpr = False, TAIL_M: tl.constexpr = 0):
+    """One (row block, column block of I): gate^T and up^T [BLOCK_N, rows] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only).
     PRESPLIT: x arrives presplit (`_rows_t`) and hidden is stored presplit for the down kernel (column c of I at
     c's place in its BLOCK_K step's [even | odd] order). STACKED: the program covers BLOCK_N / 2 columns of I, its
     weight tile the BLOCK_N / 2 gate rows over the same columns' up rows: one dot per half-K step into one
-    accumulator (half the decoded tiles of two BLOCK_N-row dots in registers at once), split after the loop."""
-    HALF_K: tl.constexpr = BLOCK_K // 2
+    accumulator (half the decoded tiles of two BLOCK_N-row dots in registers at once), split after the loop.
+    TAIL_M: blocks of BLOCK_M + TAIL_M rows, each decoded weight tile feeding both parts' dots (`_gate_up_two`)
+    when the tail holds a pair, else one dot over the first BLOCK_M rows or, when at most TAIL_M are real, the
+    first TAIL_M (padding sits at the end of an expert's last block)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if TAIL_M == 0:
+        _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, block * BLOCK_M,
+                      x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                      hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
+                      HAS_LINEAR_CLIP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE,
+                      SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+    else:
+        start = block * (BLOCK_M + TAIL_M)
+        if tl.load(sorted_pairs_ptr + start + BLOCK_M) < num_pairs:
+            _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
+                         packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                         hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
+                         HAS_LINEAR_CLIP, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, HALF_MATH,
+                         ASM_DECODE, SCALE_FOLD, PRESPLIT, STACKED)
+        elif tl.load(sorted_pairs_ptr + start + TAIL_M) >= num_pairs:
+            _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
+                          packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                          hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
+                          HAS_LINEAR_CLIP, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH,
+                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+        else:
+            _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
+                          packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                          hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
+                          HAS_LINEAR_CLIP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH,
+                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
+                  packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride,
+                  num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K: tl.constexpr, IS_SITU: tl.constexpr,
+                  HAS_LINEAR_CLIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+                  HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr,
+                  NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr, STACKED: tl.constexpr):
+    """`_gate_up_swap_kernel`'s work for the BLOCK_M sorted rows from `start`."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    rows = start + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
     x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride                   # [BLOCK_M] row starts
@@ -334,29 +140,109 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
         acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
         _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
                       linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
-        return
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
-    col_mask = cols < inter_dim
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
-    for k_start in range(0, hidden_dim, BLOCK_K):
-        if SCALED:
-            x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
-            acc_gate = _scaled_dot(acc_gate, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                   scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim, x_t,
-                                   HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
-            acc_up = _scaled_dot(acc_up, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                 scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                 hidden_dim, x_t, HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
-        else:
-            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
-                                             packed_expert_stride, packed_row_stride, scale_expert_stride,
-                                             scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
-                                             HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
-                                             HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
-    _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
-                  linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
+        col_mask = cols < inter_dim
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            if SCALED:
+                x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
+                acc_gate = _scaled_dot(acc_gate, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                       scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim, x_t,
+                                       HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+                acc_up = _scaled_dot(acc_up, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                     scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
+                                     hidden_dim, x_t, HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
+            else:
+                acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
+                                                 packed_expert_stride, packed_row_stride, scale_expert_stride,
+                                                 scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
+                                                 HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
+                                                 HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
+        _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                      linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+
+
+@triton.jit
+def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
+                 packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride,
+                 num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K: tl.constexpr, IS_SITU: tl.constexpr,
+                 HAS_LINEAR_CLIP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr,
+                 ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr, PRESPLIT: tl.constexpr,
+                 STACKED: tl.constexpr):
+    """`_gate_up_rows` over the BLOCK_M rows from `start` and the TAIL_M after them at once: one decode of each
+    weight tile a K step, its dots against both parts' x (every row of the first part is real: a pair in the
+    tail means the block is full up to it)."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    rows = start + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride
+    tail_rows = start + BLOCK_M + tl.arange(0, TAIL_M)
+    tail_pairs = tl.load(sorted_pairs_ptr + tail_rows)
+    tail_mask = tail_pairs < num_pairs
+    x_tail = x_ptr + (tail_pairs // TOP_K).to(tl.int64) * x_row_stride
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    if STACKED:
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        cols = tl.program_id(1) * HALF_N + tl.arange(0, HALF_N)
+        stack = tl.arange(0, BLOCK_N)
+        stack_cols = tl.program_id(1) * HALF_N + stack % HALF_N
+        w_rows = tl.where(stack < HALF_N, stack_cols, stack_cols + inter_dim)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+                                    PRESPLIT)
+            t_even, t_odd = _rows_t(x_tail, tail_mask, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X,
+                                    PRESPLIT)
+            w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                         scale_expert_stride, scale_row_stride, w_rows, stack_cols < inter_dim,
+                                         k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE,
+                                         SCALE_FOLD)
+            acc = tl.dot(w_low, x_even, acc, input_precision="ieee")
+            acc = tl.dot(w_high, x_odd, acc, input_precision="ieee")
+            acc_tail = tl.dot(w_low, t_even, acc_tail, input_precision="ieee")
+            acc_tail = tl.dot(w_high, t_odd, acc_tail, input_precision="ieee")
+        acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
+        _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                      linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+        tail_gate, tail_up = tl.split(tl.permute(tl.reshape(acc_tail, (2, HALF_N, TAIL_M)), (1, 2, 0)))
+        _store_hidden(tail_gate, tail_up, hidden_ptr, hidden_row_stride, tail_rows, tail_mask, cols, inter_dim,
+                      beta, linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < inter_dim
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        tail_gate = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
+        tail_up = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
+        for k_start in range(0, hidden_dim, BLOCK_K):
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
+            t_even, t_odd = _rows_t(x_tail, tail_mask, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
+            gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                               scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
+                                               hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE,
+                                               SCALE_FOLD)
+            up_low, up_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                           scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask,
+                                           k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH,
+                                           ASM_DECODE, SCALE_FOLD)
+            acc_gate = tl.dot(gate_low, x_even, acc_gate, input_precision="ieee")
+            acc_gate = tl.dot(gate_high, x_odd, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(up_low, x_even, acc_up, input_precision="ieee")
+            acc_up = tl.dot(up_high, x_odd, acc_up, input_precision="ieee")
+            tail_gate = tl.dot(gate_low, t_even, tail_gate, input_precision="ieee")
+            tail_gate = tl.dot(gate_high, t_odd, tail_gate, input_precision="ieee")
+            tail_up = tl.dot(up_low, t_even, tail_up, input_precision="ieee")
+            tail_up = tl.dot(up_high, t_odd, tail_up, input_precision="ieee")
+        _store_hidden(acc_gate, acc_up, hidden_ptr, hidden_row_stride, rows, row_mask, cols, inter_dim, beta,
+                      linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
+        _store_hidden(tail_gate, tail_up, hidden_ptr, hidden_row_stride, tail_rows, tail_mask, cols, inter_dim, beta,
+                      linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
 
 
 @triton.jit
@@ -382,15 +268,48 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                       HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
                       SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
-                      PRESPLIT: tl.constexpr = False):
-    """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, BLOCK_M] over I, stored in float32 at the
-    sorted rows. SCALED: through `tl.dot_scaled`. PRESPLIT: hidden is in gate/up's presplit order."""
-    HALF_K: tl.constexpr = BLOCK_K // 2
+                      PRESPLIT: tl.constexpr = False, TAIL_M: tl.constexpr = 0):
+    """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, rows] over I, stored in float32 at the
+    sorted rows. SCALED: through `tl.dot_scaled`. PRESPLIT: hidden is in gate/up's presplit order. TAIL_M: as in
+    `_gate_up_swap_kernel`."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if TAIL_M == 0:
+        _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, block * BLOCK_M,
+                   hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
+                   rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                   SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
+    else:
+        start = block * (BLOCK_M + TAIL_M)
+        if tl.load(sorted_pairs_ptr + start + BLOCK_M) < num_pairs:
+            _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, TAIL_M,
+                      BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, HALF_MATH, ASM_DECODE, SCALE_FOLD, PRESPLIT)
+        elif tl.load(sorted_pairs_ptr + start + TAIL_M) >= num_pairs:
+            _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start,
+                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                       scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, TAIL_M, BLOCK_N,
+                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
+        else:
+            _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start,
+                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                       scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, BLOCK_N,
+                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
+
+
+@triton.jit
+def _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start, hidden_row_stride,
+               packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride, rows_out_row_stride,
+               num_pairs, hidden_dim, inter_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
+               HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr,
+               NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr):
+    """`_down_swap_kernel`'s work for the BLOCK_M sorted rows from `start`."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    rows = start + tl.arange(0, BLOCK_M)
     row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
     h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride                     # [BLOCK_M] row starts
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
@@ -420,3 +339,38 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
             acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
              mask=col_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start, hidden_row_stride,
+              packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride, rows_out_row_stride,
+              num_pairs, hidden_dim, inter_dim, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr,
+              ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr, PRESPLIT: tl.constexpr):
+    """`_down_rows` over the BLOCK_M rows from `start` and the TAIL_M after them, one decode a K step."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
+    rows = start + tl.arange(0, BLOCK_M)
+    row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
+    h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride
+    tail_rows = start + BLOCK_M + tl.arange(0, TAIL_M)
+    tail_mask = tl.load(sorted_pairs_ptr + tail_rows) < num_pairs
+    h_tail = hidden_ptr + tail_rows.to(tl.int64) * hidden_row_stride
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden_dim
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
+    for k_start in range(0, inter_dim, BLOCK_K):
+        h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
+        t_even, t_odd = _rows_t(h_tail, tail_mask, k_start, inter_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
+        w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
+                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE,
+                                     SCALE_FOLD)
+        acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
+        acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
+        acc_tail = tl.dot(w_low, t_even, acc_tail, input_precision="ieee")
+        acc_tail = tl.dot(w_high, t_odd, acc_tail, input_precision="ieee")
+    tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
+             mask=col_mask[:, None] & row_mask[None, :])
+    tl.store(rows_out_ptr + tail_rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc_tail,
+             mask=col_mask[:, None] & tail_mask[None, :])

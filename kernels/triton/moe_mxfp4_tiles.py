@@ -39,6 +39,16 @@ class Mxfp4Tile(NamedTuple):
     stacked: bool = False          # swap only: a gate/up program covers block_n / 2 columns of I, its weight tile
     #                                their gate rows over their up rows: one dot per half-K step (half the decoded
     #                                tiles held at once); the down kernel ignores it
+    tail_m: int = 0                # swap only: each block is block_m + tail_m rows of one expert and one program
+    #                                runs the K loop over both parts, each decoded weight tile feeding a block_m-row
+    #                                and a tail_m-row dot (an expert of 146 rows: one decode, not a 128-row block's
+    #                                and a 32-row one's); a block whose tail rows are all padding runs the block_m
+    #                                dot alone, one of at most tail_m rows the tail_m dot alone
+
+    @property
+    def height(self) -> int:
+        """Rows per block: block_m, or block_m + tail_m."""
+        return self.block_m + self.tail_m
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
@@ -141,13 +151,17 @@ def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_e
     if target(device) != "nvidia" or dtype not in (None, torch.bfloat16) or current_arch() in DOT_SCALED_ARCHES:
         return None
     tail = MXFP4_TAIL_TILES_NVIDIA.get(mxfp4_row_class(num_pairs, num_experts))
-    if tail is None or num_pairs <= tile.block_m * max(1, num_experts):
+    if tail is None or num_pairs <= tile.height * max(1, num_experts):
         return None
     return tail
 
 
 def check_tile(tile: Mxfp4Tile) -> None:
     """Refuse, by name, a tile whose options cannot apply together."""
+    if tile.tail_m and (not tile.swap or tile.scaled or tile.natural_k or tile.gemv or tile.tail_m < 16
+                        or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
+        raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
+                         f"natural_k) and must be a power of two in [16, block_m], got {tile}")
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
