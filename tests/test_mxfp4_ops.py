@@ -200,19 +200,24 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
 
 
-def test_sm90_tail_tile_only_past_one_whole_block_an_expert():
-    """The shorter tail blocks are chosen for NVIDIA bf16 prefill when the mean rows an expert exceed one block
-    (16K routed rows over 112 experts: 146), never at 8K (73: one padded block each), for fp16, or elsewhere."""
+def test_sm90_tail_tile_only_past_one_whole_block_an_expert(monkeypatch):
+    """Shorter tail blocks (a `MXFP4_TAIL_TILES_NVIDIA` entry) are chosen for NVIDIA bf16 when the mean rows an
+    expert exceed one block of the class's tile (16K routed rows over 112 experts: 146 past 128), never at 8K (73:
+    one padded block each), for fp16, for a class without an entry, or elsewhere; the committed sm_90 tables have
+    no entry (their prefill tile has a tail part of its own), so prefill runs one height."""
     from kernels.triton.tuning_ops import AssumedDevice, assume_device
     cpu = torch.device("cpu")
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        prefill = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]
-        tail = moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.bfloat16)
-        assert tail == moe_mxfp4.MXFP4_TAIL_TILES_NVIDIA["prefill"] and tail.block_m < prefill.block_m
-        moe_mxfp4.check_tile(tail)
+        committed = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]
+        assert committed.tail_m and moe_mxfp4.mxfp4_tail_tile(cpu, committed, 16384, 112, torch.bfloat16) is None
+        prefill, tail = SPLIT_TILE._replace(block_m=128), SPLIT_TILE._replace(block_m=32)
+        monkeypatch.setitem(moe_mxfp4.MXFP4_TAIL_TILES_NVIDIA, "prefill", tail)
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.bfloat16) == tail
         assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 8192, 112, torch.bfloat16) is None
         assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.float16) is None
         assert moe_mxfp4.mxfp4_tail_tile(cpu, moe_mxfp4.MXFP4_TILES_NVIDIA["decode"], 16, 112) is None
+        # 146 rows an expert fit one block of a 128 + 32 tile: no second height
+        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill._replace(tail_m=32), 16384, 112, torch.bfloat16) is None
     assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112) is None                 # the interpreter
 
 
@@ -510,20 +515,13 @@ def test_tail_blocks_take_every_path_and_match_the_oracle(name, activation):
 
 
 def test_tail_blocks_group_pairs_at_the_whole_height():
-    """The host side of a tail tile: pairs grouped into block_m + tail_m rows (hidden and the row buffer sized by
-    it), and on sm_90 prefill the two-height split measured against that height, not block_m alone."""
-    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    """The host side of a tail tile: pairs grouped into block_m + tail_m rows, hidden sized by it."""
     tile = TAIL_TILES["split"]
     gen = torch.Generator().manual_seed(42)
     ids = torch.randint(0, 3, (30, 2), generator=gen)
     blocks = moe_blocks.group_pairs_by_expert(ids, 0, 3, tile.height)
+    assert blocks.block_experts.numel() == moe_blocks.num_expert_blocks(60, 3, 48)
     w13_packed, w13_scale = _random_experts(gen, 3, 2 * 64, 64)
     hidden = moe_mxfp4.gate_up(torch.randn(30, 64, generator=gen), w13_packed, w13_scale, blocks, 2, "silu", None,
                                None, tile)
     assert hidden.shape == (blocks.block_experts.numel() * 48, 64)
-    cpu = torch.device("cpu")
-    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        tall = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]._replace(block_m=128, tail_m=32)
-        # 146 rows an expert: past 128, within 160: one tail-tile block each, so no second height
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, tall, 16384, 112, torch.bfloat16) is None
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, tall._replace(tail_m=0), 16384, 112, torch.bfloat16) is not None

@@ -199,12 +199,14 @@ def test_mxfp4_gemv_tiles_compile_for_sm90_and_both_amd_targets_without_spilling
 
 
 def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spilling():
-    """The presplit / stacked swap kernels (sm_90's decode defaults, there with the PTX decode) are portable Triton
-    without it: with the Triton decode they compile for gfx942, gfx950 and sm_100 at K3's per-GPU widths with no
-    VGPR spills or local-memory stack. Never run on those devices."""
-    lines = _mxfp4_compiles("(Mxfp4Tile(16, 64, 256, 4, 2, swap=True, presplit=True, stacked=True),)",
+    """The presplit / stacked swap kernels (sm_90's defaults, there with the PTX decode), also with a tail part
+    (tail_m: sm_90's mid and prefill tiles), are portable Triton without it: with the Triton decode they compile
+    for gfx942, gfx950 and sm_100 at K3's per-GPU widths with no VGPR spills or local-memory stack. Never run on
+    those devices."""
+    lines = _mxfp4_compiles("(Mxfp4Tile(16, 64, 256, 4, 2, swap=True, presplit=True, stacked=True), "
+                            "Mxfp4Tile(32, 64, 128, 4, 2, swap=True, presplit=True, stacked=True, tail_m=16))",
                             ("gfx942", "gfx950", "sm_100"), 8, "swap")
-    assert len(lines) == 6, lines
+    assert len(lines) == 12, lines
     for line in lines:
         arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line

@@ -58,15 +58,18 @@ class Mxfp4Tile(NamedTuple):
 MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
 # NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
 # class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
-# the PTX decode (asm_decode). decode / decode_batch / mid at c4e0f57 (bench/results/moe-mxfp4-stacked-*.json):
-# presplit x and stacked gate/up rows, 1.77x the bf16 experts at 1 token, 2.06x at 4, 2.14x at 16, 1.94x at 64,
-# 1.10x at 256 (mid); in the same run the tiles before them (block_k 256 presplit, b4dbadc; the mid class's
-# 64-row split_x) gave 1.49x, 1.65x, 1.74x, 1.60x and 0.97x. Stacking halves the decoded tiles gate/up holds at
-# once (offline sm_90: 255 registers and 64 B of stack -> 167 and none, 2 -> 3 programs an SM). prefill at
-# a0961ce (moe-mxfp4-sweep-nvidia-h200.json / .txt) with the 32-row tails of 92cbc45: 0.70-0.71x at 512 tokens,
-# 0.63-0.64x at 1024 in this session's sweeps; presplit and stacked tiles came within 1.3% of it there (d2d76ad,
-# c4e0f57), so it stays. At 255 registers the prefill gate/up kernel keeps 40 bytes of stack (offline sm_90
-# compile). A rerun prints a `paste:` line per class; replace the entry with it.
+# the PTX decode (asm_decode), x presplit and gate/up rows stacked. decode / decode_batch at c4e0f57
+# (bench/results/moe-mxfp4-stacked-*.json): 1.77x the bf16 experts at 1 token, 2.06x at 4, 2.14x at 16, 1.94x at
+# 64; in the same run the tiles before them (block_k 256 presplit, b4dbadc) gave 1.49x, 1.65x, 1.74x, 1.60x.
+# Stacking halves the decoded tiles gate/up holds at once (offline sm_90: 255 registers and 64 B of stack -> 167
+# and none, 2 -> 3 programs an SM). mid and prefill at f567062 (moe-mxfp4-tail-m-nvidia-h200.json): blocks with a
+# tail part (tail_m), one decode of each weight tile for an expert's block_m + tail_m rows. mid 32+16 rows: 1.12x
+# at 256 tokens (37 rows an expert), the 64-row tile before it 1.06x. prefill 64+32 rows, K step 256, 2 stages:
+# 1.01x at 512 tokens (73 rows an expert: nearly every expert one program), 0.70x at 1024 (146: two programs);
+# the tiles before it (128-row blocks plus 32-row tail blocks, `MXFP4_TAIL_TILES_NVIDIA`) gave 0.69x and 0.63x in
+# the same run. Taller parts lost: 128 + 32 at K step 128 needs 254 registers and, at 3 stages, 131 KiB of shared
+# memory (one program an SM: 0.44x at 512 tokens); at K step 256 or 128 + 64 the offline sm_90 compile spills. A
+# rerun prints a `paste:` line per class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
@@ -76,23 +79,21 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
                               asm_decode=True, natural_k=False, presplit=True, stacked=True),
-    "mid": Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+    "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                     presplit=True, stacked=True),
-    "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
-                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
+                     presplit=True, stacked=True, tail_m=16),
+    "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
+                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
+                         presplit=True, stacked=True, tail_m=32),
 }
 
 
-# Mixed block heights at prefill: with more than BLOCK_M routed rows an expert on average, each expert's rows past
-# its last whole 128-row block go to shorter blocks (this tile) instead of a second 128-row block, so that the MMA
-# does about the real rows (146 an expert at 16K routed rows: 128 + 32 or 64, not 256). Experts under one block keep
-# their one padded 128-row block. H200 at 92cbc45, K3's shapes, 16K routed rows (bench/results/moe-mxfp4-*):
-# one height 6.27 ms (0.54x the bf16 experts), 64-row tails 5.79 ms (0.59x), 32-row tails 5.24 ms (0.65x).
-MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "prefill": Mxfp4Tile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=True,
-                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True),
-}
+# Mixed block heights: with more rows an expert on average than a block holds, each expert's rows past its last
+# whole block can go to shorter blocks of another tile (`mxfp4_tail_tile`, `moe_blocks.split_tail_pairs`) instead
+# of a second block. H200 at 92cbc45, 16K routed rows, 128-row blocks: one height 0.54x the bf16 experts, 32-row
+# tail blocks 0.65x. No sm_90 class uses it since the tail_m tiles (f567062), which beat it at both prefill sizes;
+# the mechanism stays for sweeps (`--tiles` entries with "tail").
+MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {}
 
 # sm_100 and gfx950 (bf16 / fp16 activations): `tl.dot_scaled` on the packed bytes, the brief's "native MXFP4"
 # targets. With bf16 activations Triton 3.6 lowers it there by upcasting the e2m1 operand in its own decode
