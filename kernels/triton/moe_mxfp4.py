@@ -299,8 +299,12 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
             EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
             num_stages=tile.num_stages)
         return rows_out
+    col_blocks = triton.cdiv(hidden_dim, tile.block_n)
+    # the swap kernel's grid: one axis, column blocks fastest (`_down_swap_kernel`: a row block's programs share its
+    # hidden in L2)
+    grid = (col_blocks * num_blocks,) if tile.swap else (num_blocks, col_blocks)
     kernel = _down_swap_kernel if tile.swap else _down_kernel
-    kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+    kernel[grid](
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
