@@ -64,12 +64,15 @@ MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "p
 # Stacking halves the decoded tiles gate/up holds at once (offline sm_90: 255 registers and 64 B of stack -> 167
 # and none, 2 -> 3 programs an SM). mid and prefill at f567062 (moe-mxfp4-tail-m-nvidia-h200.json): blocks with a
 # tail part (tail_m), one decode of each weight tile for an expert's block_m + tail_m rows. mid 32+16 rows: 1.12x
-# at 256 tokens (37 rows an expert), the 64-row tile before it 1.06x. prefill 64+32 rows, K step 256, 2 stages:
-# 1.01x at 512 tokens (73 rows an expert: nearly every expert one program), 0.70x at 1024 (146: two programs);
-# the tiles before it (128-row blocks plus 32-row tail blocks, `MXFP4_TAIL_TILES_NVIDIA`) gave 0.69x and 0.63x in
-# the same run. Taller parts lost: 128 + 32 at K step 128 needs 254 registers and, at 3 stages, 131 KiB of shared
-# memory (one program an SM: 0.44x at 512 tokens); at K step 256 or 128 + 64 the offline sm_90 compile spills. A
-# rerun prints a `paste:` line per class; replace the entry with it.
+# at 256 tokens (37 rows an expert) at K step 128, the 64-row tile before it 1.06x; at K step 256, 2 stages, 2.5%
+# faster again in two runs (b0bd8ce, acc5f3c: moe-mxfp4-tail-m-neighbours-nvidia-h200.txt), 1.17-1.19x. prefill
+# 64+32 rows, K step 256, 2 stages: 1.01x at 512 tokens (73 rows an expert: nearly every expert one program),
+# 0.70x at 1024 (146: two programs); the tiles before it (128-row blocks plus 32-row tail blocks,
+# `MXFP4_TAIL_TILES_NVIDIA`) gave 0.69x and 0.63x in the same run. With the down kernel's grid column blocks first
+# (acc5f3c) the op bench has it at 1.03x and 0.79x. Lost: 128 + 32 at K step 128 needs 254 registers and, at 3
+# stages, 131 KiB of shared memory (one program an SM: 0.44x at 512 tokens); at K step 256, or 128 + 64, the
+# offline sm_90 compile spills; 8 warps over 128 stacked rows 0.87x / 0.67x. A rerun prints a `paste:` line per
+# class; replace the entry with it.
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
@@ -79,7 +82,7 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
                               asm_decode=True, natural_k=False, presplit=True, stacked=True),
-    "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, split_x=False,
+    "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
                      presplit=True, stacked=True, tail_m=16),
     "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
