@@ -41,9 +41,9 @@ class Mxfp4Tile(NamedTuple):
     #                                tiles held at once); the down kernel ignores it
     tail_m: int = 0                # swap only: each block is block_m + tail_m rows of one expert and one program
     #                                runs the K loop over both parts, each decoded weight tile feeding a block_m-row
-    #                                and a tail_m-row dot (an expert of 146 rows: one decode, not a 128-row block's
-    #                                and a 32-row one's); a block whose tail rows are all padding runs the block_m
-    #                                dot alone, one of at most tail_m rows the tail_m dot alone
+    #                                and a tail_m-row dot (an expert of 90 rows in a 64 + 32 block: one decode, not
+    #                                a 64-row block's and a 32-row one's); a block whose tail rows are all padding
+    #                                runs the block_m dot alone, one of at most tail_m rows the tail_m dot alone
 
     @property
     def height(self) -> int:
