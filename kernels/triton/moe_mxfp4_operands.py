@@ -114,30 +114,43 @@ def _asm_pair_decode(byte, scale_bf16, SCALE_FOLD: tl.constexpr = False):
 
 
 @triton.jit
-def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False,
-                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False):
-    """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
-    [BLOCK_N, HALF_K] in DTYPE; masked entries (past num_k or past the rows) are zero. EVEN_K (num_k a multiple
-    of 2 * HALF_K) drops the K mask, which varies along the contiguous bytes and so would make every byte its own
-    load; the row mask is constant along them. SCALE_FOLD: every scale byte is <= FOLD_MAX_SCALE (one multiply
-    per code or pair fewer, the same values)."""
+def _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed bytes [BLOCK_N, HALF_K] and the scale bytes [BLOCK_N, HALF_K / 16] of W rows `rows` of one
+    expert for K columns [k_start, k_start + 2 * HALF_K), as stored (uint8); masked bytes read as code 0, masked
+    scales as 127. EVEN_K (num_k a multiple of 2 * HALF_K) drops the K mask, which varies along the contiguous
+    bytes and so would make every byte its own load; the row mask is constant along them."""
     j = tl.arange(0, HALF_K)
     if EVEN_K:
         mask = row_mask[:, None]                                        # broadcast: constant along K
     else:
         mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]  # num_k is a multiple of 32: both halves
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
-    raw = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)                  # [BLOCK_N, HALF_K]
-    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
-    g = tl.arange(0, GROUPS)
+    packed_rows = (packed_ptr + expert.to(tl.int64) * packed_expert_stride
+                   + rows[:, None].to(tl.int64) * packed_row_stride)
+    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)                 # [BLOCK_N, HALF_K]
+    g = tl.arange(0, HALF_K // 16)                                      # 16 bytes = 32 columns share a scale
     if EVEN_K:
         scale_mask = row_mask[:, None]
     else:
         scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
-    scale_byte = tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127).to(tl.int32)
+    return byte, tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127)
+
+
+@triton.jit
+def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False,
+                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False):
+    """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
+    [BLOCK_N, HALF_K] in DTYPE (the bytes and scales from `_packed_rows`); masked entries (past num_k or past the
+    rows) are zero. SCALE_FOLD: every scale byte is <= FOLD_MAX_SCALE (one multiply per code or pair fewer, the
+    same values)."""
+    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
+    raw, scale_byte = _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride,
+                                   scale_expert_stride, scale_row_stride, rows, row_mask, k_start, num_k, HALF_K,
+                                   EVEN_K)
+    scale_byte = scale_byte.to(tl.int32)
     if ASM_DECODE:
         if SCALE_FOLD:
             scale_bits = _e8m0_bf16_folded_bits(scale_byte)
@@ -221,22 +234,9 @@ def _scaled_dot(acc, packed_ptr, scale_ptr, expert, packed_expert_stride, packed
     """acc + W[rows, k_start:k_start + 2 * HALF_K] x_t through `tl.dot_scaled`: the packed bytes and E8M0 scales
     go to the MMA as they are (native MXFP4 on sm_100 / gfx950; elsewhere Triton upcasts them to bf16 itself).
     Scale byte 255 is clamped to 254 first, as `k3core.model.mxfp4` reads it (E8M0 255 is NaN)."""
-    j = tl.arange(0, HALF_K)
-    if EVEN_K:
-        mask = row_mask[:, None]
-    else:
-        mask = row_mask[:, None] & (k_start + 2 * j < num_k)[None, :]
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[:, None].to(tl.int64) * packed_row_stride
-    byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)               # [BLOCK_N, HALF_K]
-    GROUPS: tl.constexpr = HALF_K // 16
-    g = tl.arange(0, GROUPS)
-    if EVEN_K:
-        scale_mask = row_mask[:, None]
-    else:
-        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
-    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
-    scale = tl.minimum(tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127), 254)
-    return tl.dot_scaled(byte, scale.to(tl.uint8), "e2m1", x_t, None, X_FORMAT, acc)
+    byte, scale = _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride,
+                               scale_expert_stride, scale_row_stride, rows, row_mask, k_start, num_k, HALF_K, EVEN_K)
+    return tl.dot_scaled(byte, tl.minimum(scale, 254).to(tl.uint8), "e2m1", x_t, None, X_FORMAT, acc)
 
 
 @triton.jit
