@@ -15,6 +15,9 @@ from k3core.serve.args import ServerArgs
 from k3core.serve.engine_process import EngineProcess
 from k3core.serve.launch import build_server
 
+# engine processes killed and timed (< 10 s to the error): run alone, after the xdist workers (scripts/test.sh)
+pytestmark = pytest.mark.serial
+
 MODEL = "k3-tiny"
 ENGINE = dict(page_size=16, checkpoint_interval=32, chunked_prefill_tokens=64, max_running_requests=8)
 

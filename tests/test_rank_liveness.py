@@ -30,6 +30,9 @@ import pytest
 from k3core.parallel.launch import free_port
 from k3core.serve.launch import EXIT_ENGINE_DIED
 
+# gloo ranks and a 3 s heartbeat bound: run alone, after the xdist workers (scripts/test.sh)
+pytestmark = pytest.mark.serial
+
 MODEL = "k3-tiny"
 HEARTBEAT_TIMEOUT_S = 3.0
 HEALTH_BOUND_S = 10.0             # kill / SIGSTOP -> 503 within this (heartbeat timeout + slack for 2 busy cores)

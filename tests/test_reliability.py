@@ -23,6 +23,9 @@ from k3core.serve.launch import build_server
 from k3core.serve.metrics import metric_sum, parse_metrics
 from k3core.serve.responses import sse
 
+# 1.5 s read timeouts and a 6 s slowloris bound: run alone, after the xdist workers (scripts/test.sh)
+pytestmark = pytest.mark.serial
+
 MODEL = "k3-tiny"
 CONTEXT = 256
 MAGIC = [311, 312, 313]          # a prompt starting with these ids makes the injected sampler fault fire
