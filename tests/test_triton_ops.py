@@ -420,6 +420,46 @@ def test_group_pairs_one_program_matches_the_torch_form(num_tokens, top_k, num_e
         reference.sorted_pairs)
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [
+    (16, 112, 16),                # K3 at BS=1: 16 blocks, not the 113 of cdiv(P, BLOCK_M) + E
+    (64, 112, 16), (256, 112, 16), (1024, 112, 16), (8192, 112, 96), (5, 3, 4), (7, 7, 4), (1, 1, 16), (0, 4, 16)])
+def test_num_expert_blocks_is_the_tight_bound(num_pairs, num_experts, block_m):
+    """The grid's row blocks: never fewer than any routing can fill (a routing that overflowed them would write
+    past the sorted rows), and exactly as many as the worst routing fills (one pair on each of min(P, E) - 1
+    experts, the rest on one), checked by brute force over every count split on small cases."""
+    from kernels.triton import moe_blocks
+    bound = moe_blocks.num_expert_blocks(num_pairs, num_experts, block_m)
+
+    def blocks_of(counts):
+        return sum(-(-c // block_m) for c in counts)
+
+    busy = min(num_pairs, num_experts)
+    worst = [1] * max(0, busy - 1) + [num_pairs - max(0, busy - 1)] if busy else []
+    assert blocks_of(worst) == bound
+    gen = torch.Generator().manual_seed(num_pairs)
+    for _ in range(200):
+        ids = torch.randint(0, num_experts, (num_pairs,), generator=gen)
+        assert blocks_of(torch.bincount(ids, minlength=num_experts).tolist()) <= bound
+    if num_pairs <= 8 and num_experts <= 8:                       # every way to split the pairs over the experts
+        import itertools
+        for ids in itertools.product(range(num_experts), repeat=num_pairs):
+            assert blocks_of([ids.count(e) for e in range(num_experts)]) <= bound
+
+
+def test_group_pairs_fill_the_worst_routing_exactly():
+    """The worst routing for the bound (one pair on each expert but the last, the rest on the last) fills every
+    block: both forms place every pair, and no block is idle."""
+    from kernels.triton import moe_blocks
+    num_experts, block_m = 6, 4
+    ids = torch.tensor([0, 1, 2, 3, 4] + [5] * 9, device=DEVICE).view(7, 2)
+    for group in (moe_blocks.group_pairs_small, moe_blocks.group_pairs_torch):
+        blocks = group(ids, 0, num_experts, block_m)
+        assert blocks.block_experts.numel() == moe_blocks.num_expert_blocks(14, num_experts, block_m) == 8
+        assert blocks.block_experts.cpu().tolist() == [0, 1, 2, 3, 4, 5, 5, 5]
+        assert sorted(blocks.sorted_pairs[blocks.sorted_pairs < 14].cpu().tolist()) == list(range(14))
+        assert (blocks.row_of_pair < 8 * block_m).all()
+
+
 def test_group_pairs_by_expert_blocks_hold_one_expert_each():
     num_experts, block_m = 5, 4
     expert_ids = torch.randint(-2, num_experts + 2, (13, 3), device=DEVICE)
