@@ -145,6 +145,7 @@ def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None
 
     def label(t) -> str:
         flags = [name for name, value in t._asdict().items() if value is True]
+        flags += [f"{name}={t._asdict()[name]}" for name in ("maxnreg", "down_block_n") if t._asdict().get(name)]
         if t.swap and not t.scaled and fold:
             flags.append("scale_fold")
         rows = f"{t.block_m}+{t.tail_m}" if t.tail_m else f"{t.block_m}"

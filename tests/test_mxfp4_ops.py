@@ -175,10 +175,39 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (GEMV_TILE._replace(tail_m=16), "tail_m is an option"),
                         (SWAP_TILE._replace(tail_m=8), "tail_m is an option"),
                         (SWAP_TILE._replace(tail_m=24), "tail_m is an option"),
-                        (SWAP_TILE._replace(tail_m=32), "tail_m is an option")):   # longer than block_m
+                        (SWAP_TILE._replace(tail_m=32), "tail_m is an option"),   # longer than block_m
+                        (SWAP_TILE._replace(maxnreg=300), "register cap"),
+                        (SWAP_TILE._replace(maxnreg=8), "register cap"),
+                        (SWAP_TILE._replace(down_block_n=48), "down_block_n"),
+                        (GEMV_TILE._replace(down_block_n=8), "down_block_n")):
         with pytest.raises(ValueError, match=match):
             moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
                                         25.0, tile=tile)
+
+
+@pytest.mark.parametrize("tile", [STACKED_TILE._replace(down_block_n=16, maxnreg=128),
+                                  PRESPLIT_TILE._replace(down_block_n=64), GEMV_TILE._replace(down_block_n=16)])
+def test_down_kernel_columns_of_their_own_match_the_oracle(tile):
+    """down_block_n sets the down kernel's column blocks apart from gate/up's (the 96 output columns split into 6
+    blocks of 16, or 2 of 64 with a masked half): the same result; maxnreg is a compile option the interpreter
+    runs without."""
+    gen = torch.Generator().manual_seed(16)
+    w13_packed, w13_scale, w2_packed, w2_scale, x, weights = _problem(gen, 23, 96, 96, 5, 2)
+    ids = _uneven_ids(gen, 23, 5, 2)
+    got = moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", 4.0, 25.0,
+                                      tile=tile)
+    _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ"))
+
+
+def test_a_register_cap_is_refused_off_nvidia():
+    """maxnreg is ptxas' option: a tile asking for it on an AMD device is refused by name, not run without it."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    with assume_device(AssumedDevice("amd", "gfx942", 304)):
+        with pytest.raises(ValueError, match="maxnreg is a ptxas option"):
+            moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu"))
+        assert moe_mxfp4._registers(SWAP_TILE, torch.device("cpu")) == {}
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        assert moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu")) == {"maxnreg": 128}
 
 
 def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():

@@ -181,6 +181,20 @@ def _tail(tile: Mxfp4Tile) -> dict:
     return {"TAIL_M": tile.tail_m} if tile.tail_m else {}
 
 
+def _registers(tile: Mxfp4Tile, device: torch.device) -> dict:
+    """The launch's register cap (`Mxfp4Tile.maxnreg`): an NVIDIA compile option, refused elsewhere rather than
+    dropped (the interpreter runs the kernels whatever their registers, so it takes the tile as it is)."""
+    if not tile.maxnreg:
+        return {}
+    where = target(device)
+    if where == "interpreter":
+        return {}
+    if where != "nvidia":
+        raise ValueError(f"moe_experts_mxfp4: maxnreg is a ptxas option (NVIDIA); this device is {where}: use a tile "
+                         f"with maxnreg=0, got {tile}")
+    return {"maxnreg": tile.maxnreg}
+
+
 def scale_fold(max_scale: int | None) -> bool:
     """Whether a call's scale bound lets the swap kernels fold their decode constant into the scale."""
     if max_scale is None:
@@ -254,7 +268,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             EVEN_K=hidden_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+            num_stages=tile.num_stages, **_registers(tile, x.device))
         return hidden
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
     stacked = {"STACKED": True} if tile.stacked else {}
@@ -267,7 +281,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold), **stacked,
-        **_tail(tile))
+        **_tail(tile), **_registers(tile, x.device))
     return hidden
 
 
@@ -289,17 +303,18 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     elif rows_out.shape != (num_blocks * tile.height, hidden_dim) or rows_out.dtype != torch.float32:
         raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
+    block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
     if tile.gemv:
         words = _words(w2_packed)
-        _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, tile.block_n))](
+        _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](
             hidden, words, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
             hidden.stride(0), words.stride(0), words.stride(1), w2_scale.stride(0), w2_scale.stride(1),
             rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
             EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
-            num_stages=tile.num_stages)
+            num_stages=tile.num_stages, **_registers(tile, hidden.device))
         return rows_out
-    col_blocks = triton.cdiv(hidden_dim, tile.block_n)
+    col_blocks = triton.cdiv(hidden_dim, block_n)
     # the swap kernel's grid: one axis, column blocks fastest (`_down_swap_kernel`: a row block's programs share its
     # hidden in L2)
     grid = (col_blocks * num_blocks,) if tile.swap else (num_blocks, col_blocks)
@@ -308,9 +323,9 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
         hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
+        BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold),
-        **_tail(tile))
+        **_tail(tile), **_registers(tile, hidden.device))
     return rows_out
 
 

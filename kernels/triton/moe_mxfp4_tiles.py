@@ -44,6 +44,12 @@ class Mxfp4Tile(NamedTuple):
     #                                and a tail_m-row dot (an expert of 90 rows in a 64 + 32 block: one decode, not
     #                                a 64-row block's and a 32-row one's); a block whose tail rows are all padding
     #                                runs the block_m dot alone, one of at most tail_m rows the tail_m dot alone
+    maxnreg: int = 0               # NVIDIA only: ptxas' register cap per thread for both kernels (0: its own
+    #                                choice). The sm_90 decode tiles compile to 167 registers, 3 programs of 4
+    #                                warps an SM; at 128 they fit 4 with no spill (offline sm_90 SASS)
+    down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
+    #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
+    #                                slots (3 an SM): 2.26 waves, the last a quarter full
 
     @property
     def height(self) -> int:
@@ -162,6 +168,10 @@ def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_e
 
 def check_tile(tile: Mxfp4Tile) -> None:
     """Refuse, by name, a tile whose options cannot apply together."""
+    if tile.maxnreg and not 24 <= tile.maxnreg <= 255:
+        raise ValueError(f"moe_experts_mxfp4: maxnreg is ptxas' register cap per thread, 24-255 (0: none), got {tile}")
+    if tile.down_block_n and (tile.down_block_n < 16 or tile.down_block_n & (tile.down_block_n - 1)):
+        raise ValueError(f"moe_experts_mxfp4: down_block_n must be 0 (block_n) or a power of two >= 16, got {tile}")
     if tile.tail_m and (not tile.swap or tile.scaled or tile.natural_k or tile.gemv or tile.tail_m < 16
                         or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
         raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
