@@ -79,18 +79,24 @@ MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "p
 # stages, 131 KiB of shared memory (one program an SM: 0.44x at 512 tokens); at K step 256, or 128 + 64, the
 # offline sm_90 compile spills; 8 warps over 128 stacked rows 0.87x / 0.67x. A rerun prints a `paste:` line per
 # class; replace the entry with it.
+# Register caps (maxnreg) at 752d497 / b3efdb0 (moe-mxfp4-registers*-nvidia-h200.*): the decode tiles at 128
+# registers (4 programs an SM instead of 3, no spill) were 1-2% faster in all 8 decode cases of two runs; mid at 168
+# (3 programs instead of 2; 40 bytes of stack) 1.30x and 1.33x the bf16 experts at 256 tokens against 1.14x and 1.17x
+# uncapped in the same runs. Lost: 96 registers (5 programs, spills) 0.70-0.75x of the uncapped decode tile; 4
+# stages; the prefill tiles under a cap (0.85-0.92x of the uncapped one at 512 tokens: shared memory holds them to
+# two programs an SM anyway); a 32-column down kernel (down_block_n, mma.sync: 0.70x).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True, split_x=False,
                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                        presplit=True, stacked=True),
+                        presplit=True, stacked=True, maxnreg=128),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                               split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
-                              asm_decode=True, natural_k=False, presplit=True, stacked=True),
+                              asm_decode=True, natural_k=False, presplit=True, stacked=True, maxnreg=128),
     "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                     presplit=True, stacked=True, tail_m=16),
+                     presplit=True, stacked=True, tail_m=16, maxnreg=168),
     "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                          scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
                          presplit=True, stacked=True, tail_m=32),
