@@ -181,8 +181,12 @@ def compile_launch(launch: Launch, target: OfflineTarget) -> CompileResult:
     import triton  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
     options = {k: v for k, v in launch.options.items() if v is not None}
+    source = ASTSource
+    if getattr(launch.fn, "is_gluon", lambda: False)():       # a Gluon kernel (kernels.triton.moe_mxfp4_gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+        source = GluonASTSource
     try:
-        compiled = triton.compile(ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs),
+        compiled = triton.compile(source(launch.fn, launch.signature, launch.constexprs, launch.attrs),
                                   target=target.triton_target, options=options)
         resources = (_amd_resources(compiled, target, launch) if target.vendor == "amd"
                      else _nvidia_resources(compiled, target, launch))

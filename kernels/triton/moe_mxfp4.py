@@ -213,6 +213,13 @@ def _check_dtype(tile: Mxfp4Tile, x: torch.Tensor) -> None:
                          f"on an NVIDIA GPU, got {x.dtype} on {target(x.device)}; use a tile with asm_decode=False")
 
 
+def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
+    """A gluon tile runs compiled on an NVIDIA GPU only, with whole 256-column K steps in both GEMMs."""
+    if hidden_dim % tile.block_k or inter_dim % tile.block_k:
+        raise ValueError(f"moe_experts_mxfp4: a gluon tile needs D and I multiples of {tile.block_k}, got D="
+                         f"{hidden_dim}, I={inter_dim}; use a swap tile")
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """The packed codes [E, N, K/2] as int32 words [E, N, K/8] (the gemv kernels' loads), without a copy."""
     if packed.storage_offset() % 4 or any(stride % 4 for stride in packed.stride()[:-1]):
@@ -257,6 +264,18 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     hidden = alloc(num_blocks * tile.height, width, dtype=x.dtype, device=x.device)     # [P_pad, I] (or padded)
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
+    if tile.gluon:
+        _check_gluon(tile, hidden_dim, inter_dim)
+        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon_kernel  # noqa: PLC0415 (Gluon: NVIDIA only)
+        gate_up_gluon_kernel[(num_blocks, inter_dim // 32)](
+            x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
+            x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+            hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            float(situ_beta if situ_beta is not None else 1.0),
+            float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+            TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
+            BLOCK_M=tile.block_m, SCALE_FOLD=fold, num_warps=4, **_registers(tile, x.device))
+        return hidden
     if tile.gemv:
         words = _words(w13_packed)
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -304,6 +323,15 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
+    if tile.gluon:
+        _check_gluon(tile, hidden_dim, inter_dim)
+        from kernels.triton.moe_mxfp4_gluon import down_gluon_kernel  # noqa: PLC0415 (Gluon: NVIDIA only)
+        down_gluon_kernel[(triton.cdiv(hidden_dim, 64) * num_blocks,)](
+            hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
+            hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+            rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            BLOCK_M=tile.block_m, SCALE_FOLD=fold, num_warps=4, **_registers(tile, hidden.device))
+        return rows_out
     if tile.gemv:
         words = _words(w2_packed)
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](

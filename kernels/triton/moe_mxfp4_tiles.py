@@ -47,6 +47,10 @@ class Mxfp4Tile(NamedTuple):
     maxnreg: int = 0               # NVIDIA only: ptxas' register cap per thread for both kernels (0: its own
     #                                choice). The sm_90 decode tiles compile to 167 registers, 3 programs of 4
     #                                warps an SM; at 128 they fit 4 with no spill (offline sm_90 SASS)
+    gluon: bool = False            # NVIDIA, bf16: both GEMMs as the Gluon mma.sync kernels of
+    #                                `kernels.triton.moe_mxfp4_gluon` (operands loaded straight into the MMA's
+    #                                registers, no shared memory); needs swap, asm_decode, presplit and stacked,
+    #                                block_m 8 or 16, block_n 64, block_k 256, 4 warps, K and I multiples of 256
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
@@ -182,6 +186,15 @@ def check_tile(tile: Mxfp4Tile) -> None:
                         or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
         raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
+    if tile.gluon:
+        if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)
+                or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.tail_m
+                or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
+                or tile.natural_k or tile.gemv):
+            raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
+                             f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, no other "
+                             f"option, got {tile}")
+        return
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:

@@ -1,0 +1,282 @@
+"""MXFP4 decode-sized expert GEMMs written in Gluon (Triton's explicit-layout dialect), NVIDIA only: mma.sync
+(m16n8k16) with both operands loaded straight from global memory into the registers that feed it, no shared memory
+and no barrier.
+
+Why. The swap kernels (`kernels.triton.moe_mxfp4_swap`) spend a 64-row x 256-column K step of the sm_90 decode tile
+in about 480 SASS instructions a warp: the wgmma path stages the weight bytes in shared memory (cp.async, a barrier
+a step, 32 two-byte shared loads a thread to gather each A fragment), and each of the 16 m64n16k16 wgmma of a step
+brings warpgroup fences and descriptor arithmetic. At 1-64 tokens the GEMMs are memory-bound in bytes but that
+instruction stream is what holds them at about half of the copy bandwidth
+(bench/results/moe-mxfp4-model-nvidia-h200.md). Here the same step is about 375 instructions (offline sm_90), at
+about 70 registers and no shared memory.
+
+How the operands reach the MMA without a gather. A thread of an m16n8k16 MMA holds, of each 16-column slab of the
+A operand, columns 2t, 2t+1, 2t+8, 2t+9 of rows g and g+8 (lane = 4g + t), and of B the same K positions of token
+column g. The sum over K is order-free, so the kernel uses its own K order: dot position kappa = 16s + 8h + 2t + p
+(slab s, half h, pair element p) is weight byte j = 32t + 4s + 2h + p of the step's 128 bytes (the low nibbles
+give the even columns' dot, the high nibbles the odd columns', as in the swap kernels), and x column j of the
+step's presplit even (or odd) half (`moe_mxfp4.presplit_columns`). Each thread then loads 32 consecutive weight
+bytes of each of its two rows (two 16-byte loads) and 32 consecutive x values of its token (four), and the
+reshape / permute `_kappa_rows` / `_kappa_cols` maps them onto the MMA's operand layouts with no data movement
+(`convert_layout(..., assert_trivial=True)` checks it at compile time). A thread's 32 bytes of a row are two
+scale groups (16 bytes = 32 columns each).
+
+Decode: four bytes per PTX call (`_QUAD_DECODE`), two byte permutes, the sign and magnitude bits placed as in
+`moe_mxfp4_operands._pair_decode_ptx` (bf16 code * 2^-126, exact), one bf16x2 multiply by 2^126 x the scale
+(SCALE_FOLD) or two. Scope: bf16 x, K and I multiples of 256, 4 warps over 64 weight rows (gate/up: 32 columns of
+I, gate rows over up rows), BLOCK_M 8 or 16 token rows a block (the MMA's n). Never run in the interpreter: Gluon
+has none, so CI compiles these kernels offline and the GPU sweep checks them against float64 before timing.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kernels.triton.moe_mxfp4_operands import FOLD_MAX_SCALE  # noqa: F401  (the bound SCALE_FOLD assumes)
+
+ROWS: gl.constexpr = gl.constexpr(64)            # weight rows a program: 4 warps x 16
+STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
+
+
+def _quad_decode_ptx(fold: bool) -> str:
+    """Four packed bytes ($4) and the bf16x2 scales of bytes (0, 1) ($5) and (2, 3) ($6) -> the low-nibble codes of
+    bytes (0, 1) ($0) and (2, 3) ($1), the high-nibble codes of (0, 1) ($2) and (2, 3) ($3), as bf16 pairs times
+    the scale. The bit placement is `moe_mxfp4_operands._pair_decode_ptx`'s, on two 16-bit spreads of the word."""
+    def times(out: str, scale: str) -> str:
+        if fold:
+            return f"mul.rn.bf16x2 {out}, a, {scale};"
+        return f"mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, {scale};"
+    lines = ["{", ".reg .b32 t0, t1, a, b, c126;", "mov.b32 c126, 0x7E807E80;",
+             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    for spread, out_low, out_high, scale in (("t0", "$0", "$2", "$5"), ("t1", "$1", "$3", "$6")):
+        lines += [f"shl.b32 a, {spread}, 6;  shl.b32 b, {spread}, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;",
+                  times(out_low, scale),
+                  f"shl.b32 a, {spread}, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, {spread}, 8;  "
+                  f"and.b32 b, b, 0x80008000;  or.b32 a, a, b;",
+                  times(out_high, scale)]
+    return "\n".join(lines + ["}"])
+
+
+_QUAD_DECODE = gl.constexpr(_quad_decode_ptx(fold=False))
+_QUAD_DECODE_FOLDED = gl.constexpr(_quad_decode_ptx(fold=True))
+
+
+@gluon.constexpr_function
+def _flat_layout():
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
+@gluon.constexpr_function
+def _mma_layout():
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _bytes_layout():
+    """[64 rows, 128 bytes]: thread 4g + t of warp w holds rows 16w + g and + 8, bytes 32t..32t+31."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+                                      lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 128])
+
+
+@gluon.constexpr_function
+def _scale_layout():
+    """[64 rows, 8 groups, 16 bytes]: the scale of each byte of `_bytes_layout`, held where that byte is."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [8, 0, 0]],
+                                      lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 16])
+
+
+@gluon.constexpr_function
+def _scale_slice(dim):
+    """The row (dim 1) or group (dim 0) axis of `_scale_layout`'s [64, 8] slice."""
+    return gl.SliceLayout(dim, gl.SliceLayout(2, _scale_layout()))
+
+
+@gluon.constexpr_function
+def _operand_layout(index):
+    return gl.DotOperandLayout(operand_index=index, parent=_mma_layout(), k_width=2)
+
+
+@gluon.constexpr_function
+def _glu_layout():
+    """[32 columns, BLOCK_M rows, 2 (gate, up)] with each (gate, up) pair in one thread, for the GLU."""
+    return gl.BlockedLayout([1, 1, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _slice(dim, layout):
+    return gl.SliceLayout(dim, layout)
+
+
+@gluon.constexpr_function
+def _x_layout(block_m):
+    """[128 columns of a presplit half, BLOCK_M tokens]: thread 4g + t holds token g (and g + 8 at 16 tokens),
+    columns 32t..32t+31; every warp holds the same."""
+    regs = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]] + ([[0, 8]] if block_m == 16 else [])
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
+                                      warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[128, block_m])
+
+
+@gluon.jit
+def _kappa_rows(tile):
+    """[64, 128] indexed by byte j = 32t + 4s + 2h + p -> indexed by dot position kappa = 16s + 8h + 2t + p."""
+    tile = tile.reshape([64, 4, 8, 2, 2])                          # [row, t, s, h, p]
+    return tile.permute([0, 2, 3, 1, 4]).reshape([64, 128])        # [row, s, h, t, p]
+
+
+@gluon.jit
+def _kappa_cols(tile, BLOCK_M: gl.constexpr):
+    """`_kappa_rows` for the x operand [128, BLOCK_M] (K first)."""
+    tile = tile.reshape([4, 8, 2, 2, BLOCK_M])                     # [t, s, h, p, token]
+    return tile.permute([1, 2, 0, 3, 4]).reshape([128, BLOCK_M])   # [s, h, t, p, token]
+
+
+@gluon.jit
+def _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD: gl.constexpr):
+    """K step `step` of the 64 weight rows: (low-nibble, high-nibble) tiles [64, 128] in the A operand layout."""
+    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [64, 128] uint8
+    scale = gl.load(scale_ptrs + step * 8).to(gl.int32)                                    # [64, 8, 1]
+    if SCALE_FOLD:
+        bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
+    else:
+        bits = gl.minimum(gl.maximum(scale << 7, 0x40), 0x7F00)    # bf16 2^(byte - 127); 0 subnormal, 255 as 254
+    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, 8, 16]).reshape([64, 128])
+    scale = gl.convert_layout(scale, _bytes_layout())
+    if SCALE_FOLD:
+        low, high = gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    else:
+        low, high = gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return (gl.convert_layout(_kappa_rows(low), _operand_layout(0), assert_trivial=True),
+            gl.convert_layout(_kappa_rows(high), _operand_layout(0), assert_trivial=True))
+
+
+@gluon.jit
+def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr):
+    """Presplit x (or hidden) columns [k_start, k_start + 256) of the block's rows: (even, odd) halves [128, BLOCK_M]
+    in the B operand layout, padding rows zero."""
+    even = gl.load(x_ptrs + k_start, mask=row_mask, other=0.0)
+    odd = gl.load(x_ptrs + (k_start + 128), mask=row_mask, other=0.0)
+    return (gl.convert_layout(_kappa_cols(even, BLOCK_M), _operand_layout(1), assert_trivial=True),
+            gl.convert_layout(_kappa_cols(odd, BLOCK_M), _operand_layout(1), assert_trivial=True))
+
+
+@gluon.jit
+def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                     scale_row_stride, w_rows):
+    """Byte pointers [64, 128] and scale pointers [64, 8, 1] of K step 0 of weight rows `w_rows` [64] (any 1-D
+    layout; converted here)."""
+    rows_b = gl.convert_layout(w_rows, _slice(1, _bytes_layout()))
+    cols_b = gl.arange(0, 128, layout=_slice(0, _bytes_layout()))
+    byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
+                 + rows_b.to(gl.int64)[:, None] * packed_row_stride + cols_b[None, :])
+    rows_s = gl.convert_layout(w_rows, _scale_slice(1))
+    groups = gl.arange(0, 8, layout=_scale_slice(0))
+    scale_ptrs = (scale_ptr + expert.to(gl.int64) * scale_expert_stride
+                  + rows_s.to(gl.int64)[:, None] * scale_row_stride + groups[None, :])
+    return byte_ptrs, gl.expand_dims(scale_ptrs, 2)
+
+
+@gluon.jit
+def _x_pointers(row_starts, BLOCK_M: gl.constexpr):
+    """Pointers [128, BLOCK_M] to the first 128 columns of each of the block's rows (`row_starts` [BLOCK_M])."""
+    cols = gl.arange(0, 128, layout=_slice(1, _x_layout(BLOCK_M)))
+    starts = gl.convert_layout(row_starts, _slice(0, _x_layout(BLOCK_M)))
+    return starts[None, :] + cols[:, None]
+
+
+@gluon.jit
+def _tanh(x):
+    """`kernels.triton.activation.tanh_f32` in Gluon (exp only; the odd series below 1/16)."""
+    magnitude = gl.abs(x)
+    decay = gl.exp(-2.0 * magnitude)
+    large = (1.0 - decay) / (1.0 + decay)
+    x2 = magnitude * magnitude
+    small = magnitude * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    value = gl.where(magnitude < 0.0625, small, large)
+    return gl.where(x < 0, -value, value)
+
+
+@gluon.jit
+def _glu(gate, up, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr, beta, linear_beta):
+    """`kernels.triton.activation.glu_f32` in Gluon."""
+    sigmoid = 1.0 / (1.0 + gl.exp(-gate))
+    if IS_SITU:
+        activated = beta * _tanh(gate / beta) * sigmoid
+        if HAS_LINEAR_CLIP:
+            up = linear_beta * _tanh(up / linear_beta)
+    else:
+        activated = gate * sigmoid
+    return activated * up
+
+
+@gluon.jit
+def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                         scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
+                         linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
+    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256)."""
+    block = gl.program_id(0)
+    expert = gl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    stack = gl.arange(0, 64, layout=_flat_layout())
+    cols_of_stack = gl.program_id(1) * 32 + stack % 32
+    w_rows = gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)            # [gate rows | up rows]
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, w_rows)
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
+    pairs = gl.load(sorted_pairs_ptr + rows)
+    row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
+    x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
+    for step in range(0, hidden_dim // 256):
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
+        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M)
+        acc = mma_v2(low, even, acc)
+        acc = mma_v2(high, odd, acc)
+    pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
+    gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
+    hidden = _glu(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
+    places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
+    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
+    gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+
+
+@gluon.jit
+def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
+    hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`)."""
+    col_blocks = gl.cdiv(hidden_dim, 64)
+    block = gl.program_id(0) // col_blocks
+    col_block = gl.program_id(0) % col_blocks
+    expert = gl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, w_rows)
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
+    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
+    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
+    for step in range(0, inter_dim // 256):
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
+        even, odd = _x_halves(h_ptrs, row_mask, step * 256, BLOCK_M)
+        acc = mma_v2(low, even, acc)
+        acc = mma_v2(high, odd, acc)
+    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
+    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
+    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
