@@ -385,6 +385,12 @@ def _cases() -> list[Case]:
         activation="situ", extremes=True, not_for=FP16_EXTREMES)
     add("moe_experts_mxfp4", "silu-plain-T1000-D256-I192-E16-k4", "full", T=1000, D=256, I=192, E=16, top_k=4,
         activation="silu")                     # the prefill-sized case every dtype runs (fp16 has no extremes)
+    # decode-sized calls with D and I whole 256-column steps: the shapes sm_90's gluon decode tile takes (0.75 and
+    # 1.25 rows an expert; one with the E8M0 extremes and expert parallelism, one folded)
+    add("moe_experts_mxfp4", "situ-decode-EP-T3-D512-I256-E16-k4", "full", T=3, D=512, I=256, E=16, top_k=4,
+        activation="situ", offset=16, foreign_after=2, extremes=True, not_for=FP16_EXTREMES)
+    add("moe_experts_mxfp4", "silu-decode-fold-T10-D768-I512-E16-k2", "full", T=10, D=768, I=512, E=16, top_k=2,
+        activation="silu", fold_extremes=True)
     add("attn_res_read", "T15-S4-valid2", "quick", T=15, S=4, num_valid=2, D=64)
     add("attn_res_read", "T1-S3-valid0", "quick", T=1, S=3, num_valid=0, D=64)
     add("attn_res_read", "T1000-S9-valid8", "full", T=1000, S=9, num_valid=8, D=512)

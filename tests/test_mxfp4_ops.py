@@ -213,18 +213,26 @@ def test_a_register_cap_is_refused_off_nvidia():
 def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():
     """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
     without half_math and asm_decode (both decode to bf16, and the op refuses them for fp16 x), and that tile
-    passes the op's own checks for fp16."""
+    passes the op's own checks for fp16. The gluon decode tile is bf16 and whole 256-column steps only: fp16 calls
+    and other widths get the swap decode tile instead."""
     from kernels.triton.tuning_ops import AssumedDevice, assume_device
     cpu = torch.device("cpu")
+    swap = moe_mxfp4.SWAP_DECODE_TILE_NVIDIA
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        for pairs, row_class in ((16, "decode"), (64, "decode"), (16 * 16, "decode_batch"), (16 * 64, "decode_batch"),
-                                 (112 * 40, "mid"), (8192, "prefill"), (16384, "prefill")):  # 73 rows: prefill
+        for pairs, row_class in ((16, "decode"), (64, "decode"), (16 * 16, "decode"), (16 * 32, "decode"),
+                                 (16 * 36, "decode_batch"), (16 * 64, "decode_batch"), (112 * 40, "mid"),
+                                 (8192, "prefill"), (16384, "prefill")):  # 73 rows: prefill
             want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
+            assert moe_mxfp4.mxfp4_row_class(pairs, 112) == row_class
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
+            assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072)) == want
+            narrow = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072 + 32))
+            assert narrow == (swap if want.gluon else want)
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
-            assert fp16 == want._replace(half_math=False, asm_decode=False)
+            assert fp16 == (swap if want.gluon else want)._replace(half_math=False, asm_decode=False)
             moe_mxfp4.check_tile(fp16)
             moe_mxfp4._check_dtype(fp16, torch.zeros(1, 8, dtype=torch.float16))
+    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].gluon
     # the cases the fp16 rule exists for
     assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
 

@@ -125,9 +125,9 @@ def test_state_config_and_precision_follow_the_architecture():
 
 def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     """On sm_100 and gfx950 the provider's bf16 MXFP4 expert GEMMs go through tl.dot_scaled (the swap kernels with
-    SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps the in-register decode
-    (MXFP4_TILES_NVIDIA's one-token decode tile: the swap kernels with the PTX decode since the H200 sweep at
-    a9a24dd)."""
+    SCALED), and both compile there within the target's shared memory / LDS; sm_90 keeps its own decode
+    (MXFP4_TILES_NVIDIA's one-token decode tile: the Gluon mma.sync kernels with their PTX decode since the H200
+    sweep at 12058ee)."""
     result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
@@ -152,7 +152,7 @@ def test_mxfp4_experts_use_dot_scaled_on_sm100_and_gfx950_and_compile_there():
     lines = sorted(result.stdout.splitlines()[:6])
     assert lines == sorted(["sm_100 _gate_up_swap_kernel True False ok", "sm_100 _down_swap_kernel True False ok",
                             "gfx950 _gate_up_swap_kernel True False ok", "gfx950 _down_swap_kernel True False ok",
-                            "sm_90 _gate_up_swap_kernel False True ok", "sm_90 _down_swap_kernel False True ok"]), \
+                            "sm_90 gate_up_gluon_kernel False False ok", "sm_90 down_gluon_kernel False False ok"]), \
         result.stdout
 
 

@@ -42,7 +42,8 @@ from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kerne
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are part of this module's API)
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
-    MXFP4_TILES_NVIDIA, SCALE_BLOCK, Mxfp4Tile, check_tile, mxfp4_row_class, mxfp4_tail_tile, mxfp4_tile)
+    MXFP4_TILES_NVIDIA, SCALE_BLOCK, SWAP_DECODE_TILE_NVIDIA, Mxfp4Tile, check_tile, mxfp4_row_class,
+    mxfp4_tail_tile, mxfp4_tile)
 from kernels.triton.tuning_ops import target
 
 PAIR_BUFFER_BYTES = 1 << 30
@@ -382,7 +383,8 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         ids = expert_ids[start:end]
-        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype)
+        chunk_tile = tile or mxfp4_tile(x.device, ids.numel(), num_experts, x.element_size(), x.dtype,
+                                        (hidden_dim, 2 * w2_packed.shape[2]))
         chunk_tail = tail_tile if tile is not None else mxfp4_tail_tile(x.device, chunk_tile, ids.numel(),
                                                                          num_experts, x.dtype)
         args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,

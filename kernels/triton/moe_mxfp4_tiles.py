@@ -62,10 +62,11 @@ class Mxfp4Tile(NamedTuple):
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
-# decode: up to one row per expert (K3 at 1-7 tokens); decode_batch: 1-16 rows per expert (8-112 tokens), where
-# the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256 tokens has 37 per expert); prefill: more
+# decode: up to 5 rows per expert (K3 at 1-35 tokens), where 8-row blocks hold nearly every expert's rows;
+# decode_batch: 5-16 (36-112 tokens), where the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256
+# tokens has 37 per expert); prefill: more
 # (K3 at 512 tokens has 73 per expert).
-MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
+MXFP4_ROW_CLASSES = ((5, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
 # NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
 # class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
 # the PTX decode (asm_decode), x presplit and gate/up rows stacked. decode / decode_batch at c4e0f57
@@ -89,15 +90,22 @@ MXFP4_ROW_CLASSES = ((1, "decode"), (16, "decode_batch"), (64, "mid"), (None, "p
 # uncapped in the same runs. Lost: 96 registers (5 programs, spills) 0.70-0.75x of the uncapped decode tile; 4
 # stages; the prefill tiles under a cap (0.85-0.92x of the uncapped one at 512 tokens: shared memory holds them to
 # two programs an SM anyway); a 32-column down kernel (down_block_n, mma.sync: 0.70x).
+# decode at 12058ee (moe-mxfp4-gluon-nvidia-h200.*): the Gluon mma.sync kernels over 8-row blocks
+# (`kernels.triton.moe_mxfp4_gluon`) against the swap tile below, same run: 2.17x / 1.86x the bf16 experts at 1
+# token, 2.58x / 2.03x at 4, 2.70x / 2.06x at 8, 2.67x / 2.09x at 16, 2.43x / 1.99x at 32 (4.6 rows an expert), and
+# 1.65x / 1.94x at 64 (9.1 rows: two 8-row blocks for most experts, each reading the expert's weights), so the
+# decode class ends at 5 rows an expert; between 4.6 and 9.1 not measured. 16-row gluon blocks: 1.75-2.15x.
+# Gluon runs only whole 256-column steps in bf16: other shapes and dtypes take the swap tile (`mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
+SWAP_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
+                                    split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
+                                    asm_decode=True, natural_k=False, presplit=True, stacked=True, maxnreg=128)
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True, split_x=False,
+    "decode": Mxfp4Tile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=1, swap=True, split_x=False,
                         scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                        presplit=True, stacked=True, maxnreg=128),
-    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
-                              split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
-                              asm_decode=True, natural_k=False, presplit=True, stacked=True, maxnreg=128),
+                        presplit=True, stacked=True, gluon=True),
+    "decode_batch": SWAP_DECODE_TILE_NVIDIA,
     "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
                      presplit=True, stacked=True, tail_m=16, maxnreg=168),
@@ -141,9 +149,10 @@ def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
 
 
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
-               dtype: torch.dtype | None = None) -> Mxfp4Tile:
+               dtype: torch.dtype | None = None, dims: tuple[int, int] | None = None) -> Mxfp4Tile:
     """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
-    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`); elsewhere rows
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`, and the swap
+    decode tile for a gluon one where `dims` = (D, I) are not multiples of 256 or the dtype is not bf16); elsewhere rows
     per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
     blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
     stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
@@ -155,6 +164,8 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
         tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
+        if tile.gluon and (dtype not in (None, torch.bfloat16) or (dims is not None and any(d % 256 for d in dims))):
+            tile = SWAP_DECODE_TILE_NVIDIA                 # gluon: bf16 and whole 256-column steps only
         return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False, asm_decode=False)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:

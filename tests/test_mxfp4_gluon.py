@@ -1,0 +1,120 @@
+"""The Gluon mma.sync decode kernels of the MXFP4 experts (`kernels.triton.moe_mxfp4_gluon`, sm_90's decode tile).
+
+Gluon has no interpreter, so no CPU test runs these kernels. What runs here: the PTX of their four-byte decode,
+executed by tests/test_mxfp4_asm_decode.py's interpreter on every byte in every position of a word and on the scale
+bytes at and around the E8M0 extremes, bit for bit against the float64 reference; the tile rules (refusals, when
+the swap tile stands in); and an offline sm_90 compile of both kernels through the op (no shared-memory staging,
+registers for 6 or more programs an SM at 8 rows a block). The GPU sweep checks the kernels against float64 and the extreme scales
+before timing them (bench/results/moe-mxfp4-gluon-nvidia-h200.txt).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3core.model.mxfp4 import _code_table, _scale_table
+from kernels.triton import moe_mxfp4
+from tests.test_mxfp4_asm_decode import FOLD_SCALES, _all_scale_bits, _float_to_bf16, run_ptx
+
+gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
+GLUON_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode"]
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
+def test_quad_decode_gives_every_byte_in_every_position_the_reference_value(folded):
+    """Four bytes a call: the low-nibble codes of bytes (0, 1) and (2, 3), then the high-nibble ones, each times
+    its byte's scale; every byte value in each of the four positions, scale bytes at the extremes (the folded form
+    up to FOLD_MAX_SCALE, its only domain), each byte its own scale so that a swapped operand shows."""
+    codes = _code_table(torch.device("cpu"), torch.float64)
+    scales = _scale_table(torch.device("cpu"), torch.float64)
+    extremes = FOLD_SCALES if folded else (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
+    scale_bits = _all_scale_bits(folded)
+    text = (gluon._QUAD_DECODE_FOLDED if folded else gluon._QUAD_DECODE).value
+    for shift in range(len(extremes)):
+        scale_bytes = [extremes[(shift + 3 * i) % len(extremes)] for i in range(4)]
+        bits = [scale_bits[b] for b in scale_bytes]
+        for first in range(256):
+            packed = [first, (7 * first + 1 + shift) % 256, (13 * first + 5) % 256, (255 - first + shift) % 256]
+            word = packed[0] | packed[1] << 8 | packed[2] << 16 | packed[3] << 24
+            regs = run_ptx(text, {"$4": word, "$5": bits[0] | bits[1] << 16, "$6": bits[2] | bits[3] << 16})
+            low = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
+            high = [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
+            for i, (byte, scale_byte) in enumerate(zip(packed, scale_bytes)):
+                want = (_float_to_bf16(codes[byte & 15].item() * scales[scale_byte].item()),
+                        _float_to_bf16(codes[byte >> 4].item() * scales[scale_byte].item()))
+                assert (low[i], high[i]) == want, (i, byte, scale_byte, hex(low[i]), hex(high[i]))
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
+def test_quad_decode_uses_only_the_operands_its_constraints_declare(folded):
+    """4 outputs ($0-$3: two bf16 pairs of each tile) and 3 inputs ($4 the word, $5 / $6 the scale pairs)."""
+    text = (gluon._QUAD_DECODE_FOLDED if folded else gluon._QUAD_DECODE).value
+    assert set(re.findall(r"\$(\d+)", text)) == {str(i) for i in range(7)}
+
+
+def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
+    for change, match in ((dict(block_m=32), "block_m 8 or 16"), (dict(presplit=False), "presplit"),
+                          (dict(block_k=128), "block_k 256"), (dict(split_x=True), "no other option"),
+                          (dict(num_warps=8), "4-warp"), (dict(asm_decode=False), "asm_decode")):
+        with pytest.raises(ValueError, match=match):
+            moe_mxfp4.check_tile(GLUON_TILE._replace(**change))
+    moe_mxfp4.check_tile(GLUON_TILE)
+    moe_mxfp4.check_tile(GLUON_TILE._replace(block_m=16))
+    gen = torch.Generator().manual_seed(4)
+    experts, dim, inter = 2, 256, 256
+    w13p = torch.randint(0, 256, (experts, 2 * inter, dim // 2), dtype=torch.uint8, generator=gen)
+    w13s = torch.full((experts, 2 * inter, dim // 32), 127, dtype=torch.uint8)
+    w2p = torch.randint(0, 256, (experts, dim, inter // 2), dtype=torch.uint8, generator=gen)
+    w2s = torch.full((experts, dim, inter // 32), 127, dtype=torch.uint8)
+    x, ids, weights = torch.randn(3, dim).bfloat16(), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match="asm_decode is NVIDIA PTX"):          # the interpreter: no Gluon
+        moe_mxfp4.moe_experts_mxfp4(x, w13p, w13s, w2p, w2s, weights, ids, "silu", None, None, tile=GLUON_TILE)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        moe_mxfp4._check_gluon(GLUON_TILE, 384, 256)
+
+
+def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
+    """Both kernels through the op at K3's per-GPU widths, 1 and 16 tokens, 8- and 16-row blocks, folded and
+    exact scales (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every
+    launch compiles, asks for at most 4 KiB of shared memory (the GLU epilogue's exchange; the operands never pass
+    through it), and fits at least 6 programs of 4 warps an SM with 8-row blocks (the committed tile; 3 for the
+    swap tile it replaced), 4 with 16."""
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
+        target = offline_target("sm_90")
+        E, D, I, K = 112, 3584, 3072, 16
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
+        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
+        tile = MXFP4_TILES_NVIDIA["decode"]
+        for block_m, tokens, max_scale in ((8, 1, 120), (8, 16, 255), (16, 4, 120)):
+            with capture(target) as recorder:
+                ids = torch.arange(tokens * K).view(tokens, K) % E
+                moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
+                                  torch.full((tokens, K), 1 / K), ids, "situ", 4.0, 25.0, max_scale=max_scale,
+                                  tile=tile._replace(block_m=block_m))
+            for _, launch in recorder.launches:
+                if "gluon" in launch.kernel:
+                    c = compile_launch(launch, target)
+                    r = c.resources
+                    print(block_m, launch.kernel, c.error or "ok", r.shared_bytes, r.occupancy)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 6, lines
+    for line in lines:
+        block_m, kernel, status, shared, occupancy = line.split()
+        assert status == "ok" and int(shared) <= 4096 and int(occupancy) >= (6 if block_m == "8" else 4), line
