@@ -267,15 +267,9 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         x = presplit_columns(x, tile.block_k)
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon_kernel  # noqa: PLC0415 (Gluon: NVIDIA only)
-        gate_up_gluon_kernel[(num_blocks, inter_dim // 32)](
-            x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
-            x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-            float(situ_beta if situ_beta is not None else 1.0),
-            float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
-            TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-            BLOCK_M=tile.block_m, SCALE_FOLD=fold, num_warps=4, **_registers(tile, x.device))
+        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
+        gate_up_gluon(x, w13_packed, w13_scale, hidden, blocks, top_k, activation, situ_beta, situ_linear_beta,
+                      tile.block_m, fold, _registers(tile, x.device))
         return hidden
     if tile.gemv:
         words = _words(w13_packed)
@@ -326,12 +320,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import down_gluon_kernel  # noqa: PLC0415 (Gluon: NVIDIA only)
-        down_gluon_kernel[(triton.cdiv(hidden_dim, 64) * num_blocks,)](
-            hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
-            hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-            BLOCK_M=tile.block_m, SCALE_FOLD=fold, num_warps=4, **_registers(tile, hidden.device))
+        from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
+        down_gluon(hidden, w2_packed, w2_scale, rows_out, blocks, tile.block_m, fold, _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:
         words = _words(w2_packed)

@@ -280,3 +280,30 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
     gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
+
+
+def gate_up_gluon(x, w13_packed, w13_scale, hidden, blocks, top_k: int, activation: str, situ_beta, situ_linear_beta,
+                  block_m: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile: hidden (presplit) for every sorted row."""
+    num_experts, two_inter, _ = w13_packed.shape
+    inter_dim, hidden_dim = two_inter // 2, x.shape[1]
+    num_blocks = blocks.block_experts.numel()
+    gate_up_gluon_kernel[(num_blocks, inter_dim // 32)](
+        x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
+        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+        float(situ_beta if situ_beta is not None else 1.0),
+        float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+        TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
+        BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
+
+
+def down_gluon(hidden, w2_packed, w2_scale, rows_out, blocks, block_m: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a gluon tile: float32 rows for every sorted row."""
+    num_experts, hidden_dim, half_inter = w2_packed.shape
+    num_blocks = blocks.block_experts.numel()
+    down_gluon_kernel[((hidden_dim + 63) // 64 * num_blocks,)](
+        hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
+        hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, 2 * half_inter,
+        BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
