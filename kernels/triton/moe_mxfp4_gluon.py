@@ -33,6 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels.triton.activation import glu_f32
 from kernels.triton.moe_mxfp4_operands import FOLD_MAX_SCALE  # noqa: F401  (the bound SCALE_FOLD assumes)
 
 ROWS: gl.constexpr = gl.constexpr(64)            # weight rows a program: 4 warps x 16
@@ -189,28 +190,16 @@ def _x_pointers(row_starts, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _tanh(x):
-    """`kernels.triton.activation.tanh_f32` in Gluon (exp only; the odd series below 1/16)."""
-    magnitude = gl.abs(x)
-    decay = gl.exp(-2.0 * magnitude)
-    large = (1.0 - decay) / (1.0 + decay)
-    x2 = magnitude * magnitude
-    small = magnitude * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    value = gl.where(magnitude < 0.0625, small, large)
-    return gl.where(x < 0, -value, value)
-
-
-@gluon.jit
-def _glu(gate, up, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr, beta, linear_beta):
-    """`kernels.triton.activation.glu_f32` in Gluon."""
-    sigmoid = 1.0 / (1.0 + gl.exp(-gate))
-    if IS_SITU:
-        activated = beta * _tanh(gate / beta) * sigmoid
-        if HAS_LINEAR_CLIP:
-            up = linear_beta * _tanh(up / linear_beta)
-    else:
-        activated = gate * sigmoid
-    return activated * up
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps`
+    K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the odd."""
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
+    for step in range(0, steps):
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
+        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M)
+        acc = mma_v2(low, even, acc)
+        acc = mma_v2(high, odd, acc)
+    return acc
 
 
 @gluon.jit
@@ -234,15 +223,10 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
-    for step in range(0, hidden_dim // 256):
-        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
-        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M)
-        acc = mma_v2(low, even, acc)
-        acc = mma_v2(high, odd, acc)
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
     pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
     gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
-    hidden = _glu(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
     cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
     places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
@@ -270,12 +254,7 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
-    for step in range(0, inter_dim // 256):
-        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
-        even, odd = _x_halves(h_ptrs, row_mask, step * 256, BLOCK_M)
-        acc = mma_v2(low, even, acc)
-        acc = mma_v2(high, odd, acc)
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
     cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
