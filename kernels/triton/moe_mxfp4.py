@@ -214,6 +214,23 @@ def _check_dtype(tile: Mxfp4Tile, x: torch.Tensor) -> None:
                          f"on an NVIDIA GPU, got {x.dtype} on {target(x.device)}; use a tile with asm_decode=False")
 
 
+def _gate_up_args(x, packed, scale, hidden, blocks: ExpertBlocks, num_experts: int, hidden_dim: int, inter_dim: int,
+                  situ_beta, situ_linear_beta) -> tuple:
+    """The leading arguments every gate/up kernel takes (swap, x W^T, gemv with `packed` as words, gluon)."""
+    return (x, packed, scale, hidden, blocks.sorted_pairs, blocks.block_experts, x.stride(0), packed.stride(0),
+            packed.stride(1), scale.stride(0), scale.stride(1), hidden.stride(0), blocks.row_of_pair.numel(),
+            num_experts, hidden_dim, inter_dim, float(situ_beta if situ_beta is not None else 1.0),
+            float(situ_linear_beta) if situ_linear_beta is not None else 1.0)
+
+
+def _down_args(hidden, packed, scale, rows_out, blocks: ExpertBlocks, num_experts: int, hidden_dim: int,
+               inter_dim: int) -> tuple:
+    """The leading arguments every down kernel takes."""
+    return (hidden, packed, scale, rows_out, blocks.sorted_pairs, blocks.block_experts, hidden.stride(0),
+            packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1), rows_out.stride(0),
+            blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim)
+
+
 def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
     """A gluon tile runs compiled on an NVIDIA GPU only, with whole 256-column K steps in both GEMMs."""
     if hidden_dim % tile.block_k or inter_dim % tile.block_k:
@@ -268,17 +285,15 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
-        gate_up_gluon(x, w13_packed, w13_scale, hidden, blocks, top_k, activation, situ_beta, situ_linear_beta,
-                      tile.block_m, fold, _registers(tile, x.device))
+        gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
+                                    situ_beta, situ_linear_beta),
+                      (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
+                      fold, _registers(tile, x.device))
         return hidden
     if tile.gemv:
-        words = _words(w13_packed)
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
-            x, words, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
-            x.stride(0), words.stride(0), words.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-            hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-            float(situ_beta if situ_beta is not None else 1.0),
-            float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+            *_gate_up_args(x, _words(w13_packed), w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
+                           situ_beta, situ_linear_beta),
             TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
             EVEN_K=hidden_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
@@ -287,11 +302,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     kernel = _gate_up_swap_kernel if tile.swap else _gate_up_kernel
     stacked = {"STACKED": True} if tile.stacked else {}
     kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n // 2 if tile.stacked else tile.block_n))](
-        x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-        float(situ_beta if situ_beta is not None else 1.0),
-        float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
+        *_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim, situ_beta,
+                       situ_linear_beta),
         TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=hidden_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold), **stacked,
@@ -321,14 +333,12 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
-        down_gluon(hidden, w2_packed, w2_scale, rows_out, blocks, tile.block_m, fold, _registers(tile, hidden.device))
+        down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
+                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:
-        words = _words(w2_packed)
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](
-            hidden, words, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
-            hidden.stride(0), words.stride(0), words.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-            rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+            *_down_args(hidden, _words(w2_packed), w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
             BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
             EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
             num_stages=tile.num_stages, **_registers(tile, hidden.device))
@@ -339,9 +349,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
     grid = (col_blocks * num_blocks,) if tile.swap else (num_blocks, col_blocks)
     kernel = _down_swap_kernel if tile.swap else _down_kernel
     kernel[grid](
-        hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
-        hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
+        *_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold),
         **_tail(tile), **_registers(tile, hidden.device))

@@ -34,9 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.triton.activation import glu_f32
-from kernels.triton.moe_mxfp4_operands import FOLD_MAX_SCALE  # noqa: F401  (the bound SCALE_FOLD assumes)
 
-ROWS: gl.constexpr = gl.constexpr(64)            # weight rows a program: 4 warps x 16
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
 
 
@@ -261,28 +259,14 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
 
 
-def gate_up_gluon(x, w13_packed, w13_scale, hidden, blocks, top_k: int, activation: str, situ_beta, situ_linear_beta,
-                  block_m: int, fold: bool, options: dict) -> None:
-    """`moe_mxfp4.gate_up`'s launch for a gluon tile: hidden (presplit) for every sorted row."""
-    num_experts, two_inter, _ = w13_packed.shape
-    inter_dim, hidden_dim = two_inter // 2, x.shape[1]
-    num_blocks = blocks.block_experts.numel()
-    gate_up_gluon_kernel[(num_blocks, inter_dim // 32)](
-        x, w13_packed, w13_scale, hidden, blocks.sorted_pairs, blocks.block_experts,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        hidden.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim,
-        float(situ_beta if situ_beta is not None else 1.0),
-        float(situ_linear_beta) if situ_linear_beta is not None else 1.0,
-        TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=situ_linear_beta is not None,
-        BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
+
+def gate_up_gluon(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int, fold: bool,
+                  options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`)."""
+    gate_up_gluon_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
+                               BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
 
 
-def down_gluon(hidden, w2_packed, w2_scale, rows_out, blocks, block_m: int, fold: bool, options: dict) -> None:
-    """`moe_mxfp4.down`'s launch for a gluon tile: float32 rows for every sorted row."""
-    num_experts, hidden_dim, half_inter = w2_packed.shape
-    num_blocks = blocks.block_experts.numel()
-    down_gluon_kernel[((hidden_dim + 63) // 64 * num_blocks,)](
-        hidden, w2_packed, w2_scale, rows_out, blocks.sorted_pairs, blocks.block_experts,
-        hidden.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        rows_out.stride(0), blocks.row_of_pair.numel(), num_experts, hidden_dim, 2 * half_inter,
-        BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
+def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`)."""
+    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
