@@ -50,7 +50,8 @@ class Mxfp4Tile(NamedTuple):
     gluon: bool = False            # NVIDIA, bf16: both GEMMs as the Gluon mma.sync kernels of
     #                                `kernels.triton.moe_mxfp4_gluon` (operands loaded straight into the MMA's
     #                                registers, no shared memory); needs swap, asm_decode, presplit and stacked,
-    #                                block_m 8 or 16, block_n 64, block_k 256, 4 warps, K and I multiples of 256
+    #                                block_m 8 or 16, block_n 64, block_k 256, 4 warps, num_stages 1 (no software
+    #                                pipeline to stage), K and I multiples of 256
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
@@ -199,12 +200,13 @@ def check_tile(tile: Mxfp4Tile) -> None:
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
     if tile.gluon:
         if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)
-                or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.tail_m
+                or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.num_stages != 1
+                or tile.tail_m
                 or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
                 or tile.natural_k or tile.gemv):
             raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
-                             f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, no other "
-                             f"option, got {tile}")
+                             f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, 1 stage "
+                             f"(it has no software pipeline), no other option, got {tile}")
         return
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
