@@ -4,8 +4,8 @@ Gluon has no interpreter, so no CPU test runs these kernels. What runs here: the
 executed by tests/test_mxfp4_asm_decode.py's interpreter on every byte in every position of a word and on the scale
 bytes at and around the E8M0 extremes, bit for bit against the float64 reference; the tile rules (refusals, when
 the swap tile stands in); and an offline sm_90 compile of both kernels through the op (no shared-memory staging,
-registers for 6 or more programs an SM at 8 rows a block). The GPU sweep checks the kernels against float64 and the extreme scales
-before timing them (bench/results/moe-mxfp4-gluon-nvidia-h200.txt).
+registers for 6 or more programs an SM at 8 rows a block). The GPU sweep checks the kernels against float64 and
+the extreme scales before timing them (bench/results/moe-mxfp4-gluon-nvidia-h200.txt).
 """
 from __future__ import annotations
 
