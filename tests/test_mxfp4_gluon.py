@@ -63,7 +63,7 @@ def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
     for change, match in ((dict(block_m=32), "block_m 8 or 16"), (dict(presplit=False), "presplit"),
                           (dict(block_k=128), "block_k 256"), (dict(split_x=True), "no other option"),
                           (dict(num_warps=8), "4-warp"), (dict(num_stages=3), "1 stage"),
-                          (dict(asm_decode=False), "asm_decode")):
+                          (dict(asm_decode=False), "asm_decode"), (dict(prefetch=True), "no other option")):
         with pytest.raises(ValueError, match=match):
             moe_mxfp4.check_tile(GLUON_TILE._replace(**change))
     moe_mxfp4.check_tile(GLUON_TILE)

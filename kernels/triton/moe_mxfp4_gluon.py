@@ -133,16 +133,10 @@ def _kappa_cols(tile, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _weight_loads(byte_ptrs, scale_ptrs, step):
-    """K step `step`'s packed bytes [64, 128] and scale bytes [64, 8, 1] of the 64 weight rows, as loaded."""
-    return gl.load(byte_ptrs + step * STEP_BYTES), gl.load(scale_ptrs + step * 8)
-
-
-@gluon.jit
-def _weight_halves(byte, scale, SCALE_FOLD: gl.constexpr):
-    """A K step's loaded bytes and scales (`_weight_loads`) -> (low-nibble, high-nibble) tiles [64, 128] in the A
-    operand layout."""
-    scale = scale.to(gl.int32)
+def _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD: gl.constexpr):
+    """K step `step` of the 64 weight rows: (low-nibble, high-nibble) tiles [64, 128] in the A operand layout."""
+    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [64, 128] uint8
+    scale = gl.load(scale_ptrs + step * 8).to(gl.int32)                                    # [64, 8, 1]
     if SCALE_FOLD:
         bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
     else:
@@ -160,12 +154,11 @@ def _weight_halves(byte, scale, SCALE_FOLD: gl.constexpr):
 
 
 @gluon.jit
-def _x_halves(x_ptrs, k_start, BLOCK_M: gl.constexpr):
+def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr):
     """Presplit x (or hidden) columns [k_start, k_start + 256) of the block's rows: (even, odd) halves [128, BLOCK_M]
-    in the B operand layout. Unmasked: a padding row reads a real row (gate/up) or its own unwritten hidden row
-    (down), and only its own output column, which is never stored, sees it (the MMA sums over K only)."""
-    even = gl.load(x_ptrs + k_start)
-    odd = gl.load(x_ptrs + (k_start + 128))
+    in the B operand layout, padding rows zero."""
+    even = gl.load(x_ptrs + k_start, mask=row_mask, other=0.0)
+    odd = gl.load(x_ptrs + (k_start + 128), mask=row_mask, other=0.0)
     return (gl.convert_layout(_kappa_cols(even, BLOCK_M), _operand_layout(1), assert_trivial=True),
             gl.convert_layout(_kappa_cols(odd, BLOCK_M), _operand_layout(1), assert_trivial=True))
 
@@ -195,38 +188,15 @@ def _x_pointers(row_starts, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _k_step(acc, byte, scale, even, odd, SCALE_FOLD: gl.constexpr):
-    """acc + one K step: the low nibbles against the presplit even half of x, the high against the odd."""
-    low, high = _weight_halves(byte, scale, SCALE_FOLD)
-    acc = mma_v2(low, even, acc)
-    return mma_v2(high, odd, acc)
-
-
-@gluon.jit
-def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, steps, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr,
-            PREFETCH: gl.constexpr):
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps`
-    K steps of 256 columns. PREFETCH: the steps run in pairs, both steps' loads issued before the first one's math
-    (twice the bytes in flight a warp; an odd last step runs alone). Carrying the next step's loaded bytes across
-    iterations instead holds them as single bytes, and repacking them costs more than the decode (offline sm_90)."""
+    K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the odd."""
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
-    if PREFETCH:
-        for step in range(0, steps - 1, 2):
-            byte, scale = _weight_loads(byte_ptrs, scale_ptrs, step)
-            even, odd = _x_halves(x_ptrs, step * 256, BLOCK_M)
-            byte_1, scale_1 = _weight_loads(byte_ptrs, scale_ptrs, step + 1)
-            even_1, odd_1 = _x_halves(x_ptrs, step * 256 + 256, BLOCK_M)
-            acc = _k_step(acc, byte, scale, even, odd, SCALE_FOLD)
-            acc = _k_step(acc, byte_1, scale_1, even_1, odd_1, SCALE_FOLD)
-        if steps % 2:
-            byte, scale = _weight_loads(byte_ptrs, scale_ptrs, steps - 1)
-            even, odd = _x_halves(x_ptrs, steps * 256 - 256, BLOCK_M)
-            acc = _k_step(acc, byte, scale, even, odd, SCALE_FOLD)
-    else:
-        for step in range(0, steps):
-            byte, scale = _weight_loads(byte_ptrs, scale_ptrs, step)
-            even, odd = _x_halves(x_ptrs, step * 256, BLOCK_M)
-            acc = _k_step(acc, byte, scale, even, odd, SCALE_FOLD)
+    for step in range(0, steps):
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
+        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M)
+        acc = mma_v2(low, even, acc)
+        acc = mma_v2(high, odd, acc)
     return acc
 
 
@@ -235,7 +205,7 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
                          linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
-                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, PREFETCH: gl.constexpr):
+                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
     stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256)."""
     block = gl.program_id(0)
@@ -248,9 +218,10 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, w_rows)
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
-    pairs = gl.minimum(gl.load(sorted_pairs_ptr + rows), num_pairs - 1)   # padding rows (num_pairs) read a real x row
+    pairs = gl.load(sorted_pairs_ptr + rows)
+    row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, hidden_dim // 256, BLOCK_M, SCALE_FOLD, PREFETCH)
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
     pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
     gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
     hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
@@ -266,7 +237,7 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, PREFETCH: gl.constexpr):
+                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`)."""
     col_blocks = gl.cdiv(hidden_dim, 64)
@@ -279,8 +250,9 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, w_rows)
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
+    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, inter_dim // 256, BLOCK_M, SCALE_FOLD, PREFETCH)
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
     cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
@@ -289,12 +261,12 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
 
 
 def gate_up_gluon(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int, fold: bool,
-                  prefetch: bool, options: dict) -> None:
+                  options: dict) -> None:
     """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`)."""
     gate_up_gluon_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
-                               BLOCK_M=block_m, SCALE_FOLD=fold, PREFETCH=prefetch, num_warps=4, **options)
+                               BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
 
 
-def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, prefetch: bool, options: dict) -> None:
+def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, options: dict) -> None:
     """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`)."""
-    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, PREFETCH=prefetch, num_warps=4, **options)
+    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)

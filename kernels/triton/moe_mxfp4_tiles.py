@@ -27,8 +27,7 @@ class Mxfp4Tile(NamedTuple):
     half_math: bool = False        # swap only, bf16 only: the decode's multiplies in float16 / bf16 pairs
     gemv: bool = False             # no tl.dot: float32 multiply-adds over block_m (1-16) rows, int32 word loads
     #                                and one scale multiply per 8 weights (`kernels.triton.moe_mxfp4_gemv`)
-    prefetch: bool = False         # gemv and gluon only: the next K step's weight words (and scales) loaded
-    #                                before this step's math
+    prefetch: bool = False         # gemv only: the next K step's weight words loaded before this step's math
     asm_decode: bool = False       # swap only, bf16 on NVIDIA only: the decode in PTX, two codes per bf16x2 multiply
     #                                (`kernels.triton.moe_mxfp4_swap._ASM_PAIR_DECODE`); every sm_90 default since
     #                                the H200 sweeps at a9a24dd and a0961ce
@@ -204,14 +203,13 @@ def check_tile(tile: Mxfp4Tile) -> None:
                 or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.num_stages != 1
                 or tile.tail_m
                 or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
-                or tile.natural_k or tile.gemv):
+                or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
                              f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, 1 stage "
                              f"(it has no software pipeline), no other option, got {tile}")
         return
     if tile.prefetch and not tile.gemv:
-        raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv and gluon kernels; set gemv=True "
-                         f"or gluon=True, got {tile}")
+        raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
         if (tile.swap or tile.split_x or tile.scaled or tile.half_math or tile.asm_decode or tile.natural_k
                 or tile.presplit or tile.stacked):
