@@ -231,16 +231,11 @@ def _down_args(hidden, packed, scale, rows_out, blocks: ExpertBlocks, num_expert
             blocks.row_of_pair.numel(), num_experts, hidden_dim, inter_dim)
 
 
-def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int, packed: torch.Tensor) -> None:
-    """A gluon tile runs compiled on an NVIDIA GPU only, with whole 256-column K steps in both GEMMs; with k_warps
-    above 1 an expert's `packed` rows are addressed by int32 offsets (rows x row stride below 2^31)."""
+def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
+    """A gluon tile runs compiled on an NVIDIA GPU only, with whole 256-column K steps in both GEMMs."""
     if hidden_dim % tile.block_k or inter_dim % tile.block_k:
         raise ValueError(f"moe_experts_mxfp4: a gluon tile needs D and I multiples of {tile.block_k}, got D="
                          f"{hidden_dim}, I={inter_dim}; use a swap tile")
-    if tile.k_warps > 1 and packed.shape[1] * packed.stride(1) >= 2 ** 31:
-        raise ValueError(f"moe_experts_mxfp4: a gluon tile with k_warps > 1 addresses an expert's packed weights "
-                         f"with int32 offsets; {packed.shape[1]} rows of stride {packed.stride(1)} need more; use "
-                         f"k_warps=1")
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -288,12 +283,12 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
     if tile.gluon:
-        _check_gluon(tile, hidden_dim, inter_dim, w13_packed)
+        _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
                       (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      fold, tile.k_warps, _registers(tile, x.device))
+                      fold, _registers(tile, x.device))
         return hidden
     if tile.gemv:
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -336,11 +331,10 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
     if tile.gluon:
-        _check_gluon(tile, hidden_dim, inter_dim, w2_packed)
+        _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, tile.k_warps,
-                   _registers(tile, hidden.device))
+                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](

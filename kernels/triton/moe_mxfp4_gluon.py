@@ -261,22 +261,12 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
 
 
 def gate_up_gluon(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int, fold: bool,
-                  k_warps: int, options: dict) -> None:
-    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`); k_warps 2 or 4: the
-    kernel of `moe_mxfp4_gluon_k`."""
-    constants = dict(TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m,
-                     SCALE_FOLD=fold, num_warps=4, **options)
-    if k_warps == 1:
-        gate_up_gluon_kernel[grid](*args, **constants)
-    else:
-        from kernels.triton.moe_mxfp4_gluon_k import gate_up_k_kernel  # noqa: PLC0415 (it imports this module)
-        gate_up_k_kernel[grid](*args, K_WARPS=k_warps, **constants)
+                  options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`)."""
+    gate_up_gluon_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
+                               BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
 
 
-def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, k_warps: int, options: dict) -> None:
+def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, options: dict) -> None:
     """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`)."""
-    if k_warps == 1:
-        down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
-    else:
-        from kernels.triton.moe_mxfp4_gluon_k import down_k_kernel  # noqa: PLC0415 (it imports this module)
-        down_k_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, K_WARPS=k_warps, num_warps=4, **options)
+    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)

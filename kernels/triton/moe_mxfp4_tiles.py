@@ -55,9 +55,6 @@ class Mxfp4Tile(NamedTuple):
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
-    k_warps: int = 1               # gluon only: the 4 warps as k_warps parts of each K step times 4 / k_warps row
-    #                                groups (`kernels.triton.moe_mxfp4_gluon_k`; 1: each warp 16 rows and all of K,
-    #                                so every warp reads the block's x: 4 copies through L1 a step)
 
     @property
     def height(self) -> int:
@@ -206,14 +203,11 @@ def check_tile(tile: Mxfp4Tile) -> None:
                 or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.num_stages != 1
                 or tile.tail_m
                 or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
-                or tile.natural_k or tile.gemv or tile.prefetch or tile.k_warps not in (1, 2, 4)):
+                or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
                              f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, 1 stage "
-                             f"(it has no software pipeline), k_warps 1, 2 or 4, no other option, got {tile}")
+                             f"(it has no software pipeline), no other option, got {tile}")
         return
-    if tile.k_warps != 1:
-        raise ValueError(f"moe_experts_mxfp4: k_warps is an option of the gluon kernels; set gluon=True or "
-                         f"k_warps=1, got {tile}")
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
