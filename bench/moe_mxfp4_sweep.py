@@ -42,7 +42,7 @@ from bench.timing import measure_ceilings, sweep_timer
 from k3core.model.mxfp4 import max_scale_of
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (256, 512, 1024)   # 256: the mid class (37 rows per expert)
-SMOKE_TOKENS = (2, 40)                     # 1 and 20 rows per expert: the decode and the mid class
+SMOKE_TOKENS = (3, 40)                     # 1.5 and 20 rows per expert: the decode and the mid class
 # relative to the largest reference output: bf16 x and hidden (2^-9 each) with float32 accumulation, bf16 output;
 # the bench's bound (bench/moe_mxfp4_bench.py GPU_TOL), where both kernels measured 2.4e-3 to 3.6e-3 on the H200
 GPU_TOL, SMOKE_TOL = 2e-2, 1e-4
@@ -91,7 +91,8 @@ def _tiles() -> dict[str, list]:
                tile(128, 64, 128, 4, 3, **split), tile(128, 64, 64, 4, 3, split_x=True, **asm),
                tile(128, 64, 64, 4, 4, split_x=True, **asm), tile(128, 64, 128, 4, 3, split_x=True, **asm),
                tile(64, 64, 128, 4, 3, split_x=True, **asm)]
-    classes = {"decode": decode, "decode_batch": decode_batch, "mid": prefill, "prefill": prefill}
+    classes = {"decode_thin": decode, "decode": decode, "decode_batch": decode_batch, "mid": prefill,
+               "prefill": prefill}
     return {name: [Candidate(t) for t in tiles] for name, tiles in classes.items()}
 
 
@@ -99,7 +100,7 @@ def _smoke_tiles() -> dict[str, list]:
     tile = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     tiles = [tile(16, 32, 64, 1, 1), tile(16, 32, 64, 1, 1, swap=True), tile(16, 32, 64, 1, 1, True, True),
              tile(1, 32, 64, 1, 1, gemv=True)]
-    return {name: [Candidate(t) for t in tiles] for name in ("decode", "decode_batch", "mid", "prefill")}
+    return {name: [Candidate(t) for t in tiles] for name in ("decode_thin", "decode", "decode_batch", "mid", "prefill")}
 
 
 def tiles_from(path: str) -> dict[str, list]:
@@ -177,7 +178,7 @@ class ExtremesCheck:
 
 
 def _is_decode(row_class: str) -> bool:
-    """decode and decode_batch: timed inside a CUDA graph, and the sweep's "decode" phase."""
+    """decode_thin, decode and decode_batch: timed inside a CUDA graph, and the sweep's "decode" phase."""
     return row_class.startswith("decode")
 
 

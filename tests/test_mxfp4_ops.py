@@ -219,7 +219,8 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     cpu = torch.device("cpu")
     swap = moe_mxfp4.SWAP_DECODE_TILE_NVIDIA
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        for pairs, row_class in ((16, "decode"), (64, "decode"), (16 * 16, "decode"), (16 * 32, "decode"),
+        for pairs, row_class in ((16, "decode_thin"), (64, "decode_thin"), (112, "decode_thin"), (113, "decode"),
+                                 (16 * 16, "decode"), (16 * 32, "decode"),
                                  (16 * 36, "decode_batch"), (16 * 64, "decode_batch"), (112 * 40, "mid"),
                                  (8192, "prefill"), (16384, "prefill")):  # 73 rows: prefill
             want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]

@@ -25,7 +25,7 @@ def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monke
         return fn
 
     monkeypatch.setattr(moe_mxfp4_sweep, "load", load)
-    monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (2,))
+    monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (3,))
     results = moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "moe-mxfp4-sweep-smoke.json").read_text())
     assert [r["status"] for r in data["results"]] == ["ok", "check failed", "ok", "ok"] == [r.status for r in results]

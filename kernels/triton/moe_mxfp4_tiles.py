@@ -63,11 +63,12 @@ class Mxfp4Tile(NamedTuple):
 
 
 # Tiles by mean rows per expert (the routed rows over the local experts), upper bounds inclusive; None: the rest.
-# decode: up to 5 rows per expert (K3 at 1-35 tokens), where 8-row blocks hold nearly every expert's rows;
+# decode_thin: up to 1 row per expert (K3 at 1-7 tokens), where the down GEMM's grid is at most about one wave;
+# decode: up to 5 rows per expert (K3 at 8-35 tokens), where 8-row blocks hold nearly every expert's rows;
 # decode_batch: 5-16 (36-112 tokens), where the dot kernels' 16-row blocks are mostly full; mid: 17-64 (K3 at 256
 # tokens has 37 per expert); prefill: more
 # (K3 at 512 tokens has 73 per expert).
-MXFP4_ROW_CLASSES = ((5, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
+MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (64, "mid"), (None, "prefill"))
 # NVIDIA (sm_90) tiles: the winners of `python -m bench.moe_mxfp4_sweep` on the H200 (geometric mean over the
 # class's cases, every tile checked against the float64 reference and the extreme scales first), all swap-AB with
 # the PTX decode (asm_decode), x presplit and gate/up rows stacked. decode / decode_batch at c4e0f57
@@ -96,16 +97,23 @@ MXFP4_ROW_CLASSES = ((5, "decode"), (16, "decode_batch"), (64, "mid"), (None, "p
 # token, 2.58x / 2.03x at 4, 2.70x / 2.06x at 8, 2.67x / 2.09x at 16, 2.43x / 1.99x at 32 (4.6 rows an expert), and
 # 1.65x / 1.94x at 64 (9.1 rows: two 8-row blocks for most experts, each reading the expert's weights), so the
 # decode class ends at 5 rows an expert; between 4.6 and 9.1 not measured. 16-row gluon blocks: 1.75-2.15x.
+# decode_thin at 386fccf / cecbdcd (moe-mxfp4-gluon-k-warps-nvidia-h200.*, and unmasked at ee75b11): the decode
+# tile capped at 72 registers. Its gate/up kernel compiles to 72 anyway; the down kernel goes from 80 to 72 (16
+# bytes of stack), 6 -> 7 programs an SM, and K3's one-token down grid (16 experts x 56 column blocks = 896
+# programs) fits one wave of 924. 6% less time at 1 token in both runs (2.37x / 2.23x the bf16 experts), +-1% at 4
+# and 8, 1-2.5% more at 16 and 32 (the spill), hence a class of its own.
 # Gluon runs only whole 256-column steps in bf16: other shapes and dtypes take the swap tile (`mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 SWAP_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
                                     split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
                                     asm_decode=True, natural_k=False, presplit=True, stacked=True, maxnreg=128)
+GLUON_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=1, swap=True,
+                                     split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
+                                     asm_decode=True, natural_k=False, presplit=True, stacked=True, gluon=True)
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode": Mxfp4Tile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=1, swap=True, split_x=False,
-                        scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
-                        presplit=True, stacked=True, gluon=True),
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72),
+    "decode": GLUON_DECODE_TILE_NVIDIA,
     "decode_batch": SWAP_DECODE_TILE_NVIDIA,
     "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
@@ -130,6 +138,7 @@ MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {}
 # its numerics are Triton's on every target and are checked on sm_90 by bench.moe_mxfp4_sweep (scaled tiles).
 DOT_SCALED_ARCHES = ("sm_100", "gfx950")
 MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
+    "decode_thin": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
     "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
     "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
                               scaled=True),
