@@ -96,7 +96,8 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # (`kernels.triton.moe_mxfp4_gluon`) against the swap tile below, same run: 2.17x / 1.86x the bf16 experts at 1
 # token, 2.58x / 2.03x at 4, 2.70x / 2.06x at 8, 2.67x / 2.09x at 16, 2.43x / 1.99x at 32 (4.6 rows an expert), and
 # 1.65x / 1.94x at 64 (9.1 rows: two 8-row blocks for most experts, each reading the expert's weights), so the
-# decode class ends at 5 rows an expert; between 4.6 and 9.1 not measured. 16-row gluon blocks: 1.75-2.15x.
+# decode class ends at 5 rows an expert; at 6.9 (48 tokens, cecbdcd and ee75b11) the two tied within 2%. 16-row
+# gluon blocks: 1.75-2.15x.
 # decode_thin at 386fccf / cecbdcd (moe-mxfp4-gluon-k-warps-nvidia-h200.*, and unmasked at ee75b11): the decode
 # tile capped at 72 registers. Its gate/up kernel compiles to 72 anyway; the down kernel goes from 80 to 72 (16
 # bytes of stack), 6 -> 7 programs an SM, and K3's one-token down grid (16 experts x 56 column blocks = 896
