@@ -16,7 +16,8 @@ from kernels.torch.moe_mxfp4 import moe_experts_mxfp4 as reference
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_operands, moe_mxfp4_swap  # noqa: E402
+from kernels.triton import (  # noqa: E402
+    moe_blocks, moe_mxfp4, moe_mxfp4_gemv, moe_mxfp4_operands, moe_mxfp4_swap, moe_mxfp4_xwt)
 
 # the weight as the dot's first operand
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1, swap=True)
@@ -286,7 +287,7 @@ def _decode_kernel(packed_ptr, scale_ptr, low_ptr, high_ptr, num_rows, num_k, HA
                    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
     rows = tl.arange(0, BLOCK_N)
     expert = tl.program_id(0) * 0                                                # one expert, as a tensor
-    low, high = moe_mxfp4._mxfp4_tile(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
+    low, high = moe_mxfp4_xwt._mxfp4_tile(packed_ptr, scale_ptr, expert, 0, num_k // 2, 0, num_k // 32, rows,
                                       rows < num_rows, tl.program_id(0) * 2 * HALF_K, num_k, HALF_K, BLOCK_N,
                                       tl.float32, EVEN_K)
     j = tl.program_id(0) * HALF_K + tl.arange(0, HALF_K)

@@ -5,21 +5,16 @@ The structure is the bf16 kernels' (`kernels.triton.moe_experts`): the (token, c
 expert into BLOCK_M-row blocks (`kernels.triton.moe_blocks`), a gate/up kernel with the GLU fused, a down kernel
 writing float32 rows, and the shared deterministic combine (`combine_expert_rows`).
 
-Dequantisation of a weight tile. Byte j of a row holds the codes of columns 2j (low nibble) and 2j + 1 (high
-nibble), so a K step of BLOCK_K columns is two dots of BLOCK_K / 2: the even columns of x against the low nibbles
-and the odd columns against the high ones. No nibble interleaving is needed, and the MMA work is that of one
-BLOCK_K dot. A code becomes a float32 by building its bits (sign, exponent, one mantissa bit); the E8M0 scale byte
-s becomes 2^(s - 127) the same way (byte 0 is the subnormal 2^-127, byte 255 reads as 254 as in
-`k3core.model.mxfp4`); their product is cast to x's dtype (bf16 on the GPU) for `tl.dot` with float32
-accumulation. A scale covers 32 columns, i.e. 16 bytes of a row: one scale load per 16 bytes, broadcast.
-When K is a multiple of BLOCK_K (K3: 3584 and 3072) the loads carry no K mask (EVEN_K): a mask that varies along
-the contiguous bytes makes each byte its own load and keeps Triton from pipelining the loop.
+Dequantisation: byte j of a row holds the codes of columns 2j (low nibble) and 2j + 1 (high nibble), so a K step
+is two half-K dots, the even columns of x against the low nibbles and the odd ones against the high; each kernel
+module builds the bf16 (or float32) operands its own way (`kernels.triton.moe_mxfp4_xwt` in float32 bits,
+`moe_mxfp4_operands` and the Gluon kernels in PTX).
 
 Numerics in bf16: the expert hidden (the GLU output) is stored in x's dtype between the two GEMMs, so a bf16 call
 rounds it to bf16 (2^-9 relative) before the down GEMM; the float64 oracle (`kernels.torch.moe_mxfp4`) does not,
 and the conformance tolerance covers that rounding for hidden values of O(1).
 
-Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): this x W^T kernel; the swap-AB kernels of
+Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): the x W^T kernels of `kernels.triton.moe_mxfp4_xwt`; the swap-AB kernels of
 `kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from registers:
 `swap`), optionally with x loaded contiguously and split (`split_x`), x reordered [even | odd] per K step before
 the kernels read it (`presplit`), gate and up rows stacked in one weight tile (`stacked`), or with `tl.dot_scaled`
@@ -32,10 +27,9 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels.torch.moe_mxfp4 import check_mxfp4_experts
-from kernels.triton.activation import check_activation, glu_f32
+from kernels.triton.activation import check_activation
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, split_tail_pairs
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
@@ -44,130 +38,10 @@ from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are 
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
     MXFP4_TILES_NVIDIA, SCALE_BLOCK, SWAP_DECODE_TILE_NVIDIA, Mxfp4Tile, check_tile, mxfp4_row_class,
     mxfp4_tail_tile, mxfp4_tile)
+from kernels.triton.moe_mxfp4_xwt import _down_kernel, _gate_up_kernel
 from kernels.triton.tuning_ops import target
 
 PAIR_BUFFER_BYTES = 1 << 30
-
-
-@triton.jit
-def _e2m1_f32(codes):
-    """int32 codes in [0, 16) -> float32: bit 3 the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
-    index = codes & 7
-    # index >= 2: exponent (index >> 1) - 1, one mantissa bit (index & 1); index 1 is 0.5 and index 0 is zero
-    bits = tl.where(index < 2, index * 0x3F000000, (((index >> 1) + 126) << 23) | ((index & 1) << 22))
-    sign = (codes >> 3) << 31
-    return (bits | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_f32(scale):
-    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
-    byte = tl.minimum(scale, 254)
-    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DTYPE: tl.constexpr, EVEN_K: tl.constexpr = False):
-    """W^T of output columns `rows` for K columns [k_start, k_start + 2 * HALF_K) of one expert, as (even k, odd k)
-    tiles [HALF_K, BLOCK_N] in DTYPE. Masked columns (past num_k or past the rows) are zero."""
-    j = tl.arange(0, HALF_K)
-    if EVEN_K:                       # no K mask (a broadcast one is constant along K: whole-vector loads)
-        mask = row_mask[None, :]
-    else:
-        mask = (k_start + 2 * j < num_k)[:, None] & row_mask[None, :]   # num_k is a multiple of 32: both halves
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[None, :].to(tl.int64) * packed_row_stride
-    byte = tl.load(packed_rows + (k_start // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)   # [HALF_K, BLOCK_N]
-    GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
-    g = tl.arange(0, GROUPS)
-    if EVEN_K:
-        scale_mask = row_mask[None, :]
-    else:
-        scale_mask = ((k_start + 32 * g) < num_k)[:, None] & row_mask[None, :]
-    scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[None, :].to(tl.int64) * scale_row_stride
-    scale = tl.load(scale_rows + (k_start // 32 + g)[:, None], mask=scale_mask, other=127).to(tl.int32)
-    scale = _e8m0_f32(scale)                                                                      # [GROUPS, BLOCK_N]
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, 16, BLOCK_N)), (HALF_K, BLOCK_N))
-    low = (_e2m1_f32(byte & 15) * scale).to(DTYPE)
-    high = (_e2m1_f32(byte >> 4) * scale).to(DTYPE)
-    return low, high
-
-
-@triton.jit
-def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
-                    x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
-                    hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
-                    TOP_K: tl.constexpr, IS_SITU: tl.constexpr, HAS_LINEAR_CLIP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
-    """One (row block, column block of I): gate and up columns of W13 in one K loop, the GLU in float32, stored in
-    x's dtype at the sorted rows."""
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
-    x_rows = x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * x_row_stride
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
-    col_mask = cols < inter_dim
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    j = tl.arange(0, HALF_K)
-    for k_start in range(0, hidden_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < hidden_dim)[None, :]
-        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)           # [BLOCK_M, HALF_K]
-        x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
-        gate_low, gate_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
-                                          hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
-        up_low, up_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                      scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
-                                      hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
-        acc_gate = tl.dot(x_even, gate_low, acc_gate, input_precision="ieee")
-        acc_gate = tl.dot(x_odd, gate_high, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(x_even, up_low, acc_up, input_precision="ieee")
-        acc_up = tl.dot(x_odd, up_high, acc_up, input_precision="ieee")
-    hidden = glu_f32(acc_gate, acc_up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    tl.store(hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride + cols[None, :],
-             hidden.to(hidden_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
-                 hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
-                 rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
-    """One (row block, column block of D): the W2 GEMM over I, stored in float32 at the sorted rows."""
-    HALF_K: tl.constexpr = BLOCK_K // 2
-    block = tl.program_id(0)
-    expert = tl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
-    h_rows = hidden_ptr + rows[:, None].to(tl.int64) * hidden_row_stride
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
-    col_mask = cols < hidden_dim
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    j = tl.arange(0, HALF_K)
-    for k_start in range(0, inter_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        h_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < inter_dim)[None, :]
-        h_even = tl.load(h_rows + k_even[None, :], mask=h_mask, other=0.0)             # [BLOCK_M, HALF_K]
-        h_odd = tl.load(h_rows + (k_even + 1)[None, :], mask=h_mask, other=0.0)
-        w_low, w_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                    scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
-                                    HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
-        acc = tl.dot(h_even, w_low, acc, input_precision="ieee")
-        acc = tl.dot(h_odd, w_high, acc, input_precision="ieee")
-    tl.store(rows_out_ptr + rows[:, None].to(tl.int64) * rows_out_row_stride + cols[None, :], acc,
-             mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _scaled(tile: Mxfp4Tile, scale_fold: bool) -> dict:

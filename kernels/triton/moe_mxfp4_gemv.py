@@ -26,13 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.activation import glu_f32
-
-
-@triton.jit
-def _e8m0_f32(scale):
-    """int32 scale bytes -> float32 2^(byte - 127); byte 0 is the subnormal 2^-127, byte 255 reads as 254."""
-    byte = tl.minimum(scale, 254)
-    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+from kernels.triton.moe_mxfp4_operands import _e8m0_f32
 
 
 @triton.jit
