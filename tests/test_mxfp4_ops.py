@@ -146,46 +146,6 @@ def test_scale_extremes_and_byte_255():
     assert ((moved - want).abs() > 100 * (ATOL + RTOL * (want.abs() + want.abs().max()))).any()
 
 
-def test_tile_options_that_cannot_apply_are_refused():
-    """split_x / scaled / half_math belong to the swap kernel, and scaled / half_math to 16-bit activations: a tile
-    asking for them elsewhere is refused by name rather than silently run as another kernel."""
-    gen = torch.Generator().manual_seed(15)
-    w13_packed, w13_scale = _random_experts(gen, 2, 64, 64)
-    w2_packed, w2_scale = _random_experts(gen, 2, 64, 32)
-    x, ids, weights = torch.randn(3, 64, generator=gen), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
-    for tile, match in ((SWAP_TILE._replace(swap=False, split_x=True), "swap=True"),
-                        (SWAP_TILE._replace(scaled=True), "bf16 or fp16"),
-                        (SWAP_TILE._replace(half_math=True), "needs bf16"),
-                        (GEMV_TILE._replace(swap=True), "gemv tile has no dot"),
-                        (NATURAL_TILE._replace(split_x=True), "natural_k is an option"),
-                        (SMALL_TILE._replace(natural_k=True), "natural_k is an option"),
-                        (SMALL_TILE._replace(presplit=True), "presplit is an option"),
-                        (PRESPLIT_TILE._replace(split_x=True), "presplit is an option"),
-                        (PRESPLIT_TILE._replace(natural_k=True), "presplit is an option"),
-                        (GEMV_TILE._replace(presplit=True), "gemv tile has no dot"),
-                        (SMALL_TILE._replace(stacked=True), "stacked is an option"),
-                        (STACKED_TILE._replace(natural_k=True), "stacked is an option"),
-                        (STACKED_TILE._replace(block_n=16), "stacked is an option"),
-                        (GEMV_TILE._replace(stacked=True), "gemv tile has no dot"),
-                        (SWAP_TILE._replace(prefetch=True), "set gemv=True"),
-                        (GEMV_TILE._replace(block_m=32), "power of two in"),
-                        (GEMV_TILE._replace(block_k=96), "power of two in"),
-                        (SMALL_TILE._replace(tail_m=16), "tail_m is an option"),
-                        (SWAP_TILE._replace(tail_m=16, scaled=True), "tail_m is an option"),
-                        (NATURAL_TILE._replace(tail_m=16), "tail_m is an option"),
-                        (GEMV_TILE._replace(tail_m=16), "tail_m is an option"),
-                        (SWAP_TILE._replace(tail_m=8), "tail_m is an option"),
-                        (SWAP_TILE._replace(tail_m=24), "tail_m is an option"),
-                        (SWAP_TILE._replace(tail_m=32), "tail_m is an option"),   # longer than block_m
-                        (SWAP_TILE._replace(maxnreg=300), "register cap"),
-                        (SWAP_TILE._replace(maxnreg=8), "register cap"),
-                        (SWAP_TILE._replace(down_block_n=48), "down_block_n"),
-                        (GEMV_TILE._replace(down_block_n=8), "down_block_n")):
-        with pytest.raises(ValueError, match=match):
-            moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "silu", 4.0,
-                                        25.0, tile=tile)
-
-
 @pytest.mark.parametrize("tile", [STACKED_TILE._replace(down_block_n=16, maxnreg=128),
                                   PRESPLIT_TILE._replace(down_block_n=64), GEMV_TILE._replace(down_block_n=16)])
 def test_down_kernel_columns_of_their_own_match_the_oracle(tile):
@@ -198,66 +158,6 @@ def test_down_kernel_columns_of_their_own_match_the_oracle(tile):
     got = moe_mxfp4.moe_experts_mxfp4(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ", 4.0, 25.0,
                                       tile=tile)
     _assert_close(got, _oracle(x, w13_packed, w13_scale, w2_packed, w2_scale, weights, ids, "situ"))
-
-
-def test_a_register_cap_is_refused_off_nvidia():
-    """maxnreg is ptxas' option: a tile asking for it on an AMD device is refused by name, not run without it."""
-    from kernels.triton.tuning_ops import AssumedDevice, assume_device
-    with assume_device(AssumedDevice("amd", "gfx942", 304)):
-        with pytest.raises(ValueError, match="maxnreg is a ptxas option"):
-            moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu"))
-        assert moe_mxfp4._registers(SWAP_TILE, torch.device("cpu")) == {}
-    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        assert moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu")) == {"maxnreg": 128}
-
-
-def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():
-    """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
-    without half_math and asm_decode (both decode to bf16, and the op refuses them for fp16 x), and that tile
-    passes the op's own checks for fp16. The gluon decode tile is bf16 and whole 256-column steps only: fp16 calls
-    and other widths get the swap decode tile instead."""
-    from kernels.triton.tuning_ops import AssumedDevice, assume_device
-    cpu = torch.device("cpu")
-    swap = moe_mxfp4.SWAP_DECODE_TILE_NVIDIA
-    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        for pairs, row_class in ((16, "decode_thin"), (64, "decode_thin"), (112, "decode_thin"), (113, "decode"),
-                                 (16 * 16, "decode"), (16 * 32, "decode"),
-                                 (16 * 36, "decode_batch"), (16 * 64, "decode_batch"), (112 * 40, "mid"),
-                                 (8192, "prefill"), (16384, "prefill")):  # 73 rows: prefill
-            want = moe_mxfp4.MXFP4_TILES_NVIDIA[row_class]
-            assert moe_mxfp4.mxfp4_row_class(pairs, 112) == row_class
-            assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
-            assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072)) == want
-            narrow = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072 + 32))
-            assert narrow == (swap if want.gluon else want)
-            fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
-            assert fp16 == (swap if want.gluon else want)._replace(half_math=False, asm_decode=False)
-            moe_mxfp4.check_tile(fp16)
-            moe_mxfp4._check_dtype(fp16, torch.zeros(1, 8, dtype=torch.float16))
-    assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].gluon
-    # the cases the fp16 rule exists for
-    assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
-
-
-def test_sm90_tail_tile_only_past_one_whole_block_an_expert(monkeypatch):
-    """Shorter tail blocks (a `MXFP4_TAIL_TILES_NVIDIA` entry) are chosen for NVIDIA bf16 when the mean rows an
-    expert exceed one block of the class's tile (16K routed rows over 112 experts: 146 past 128), never at 8K (73:
-    one padded block each), for fp16, for a class without an entry, or elsewhere; the committed sm_90 tables have
-    no entry (their prefill tile has a tail part of its own), so prefill runs one height."""
-    from kernels.triton.tuning_ops import AssumedDevice, assume_device
-    cpu = torch.device("cpu")
-    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
-        committed = moe_mxfp4.MXFP4_TILES_NVIDIA["prefill"]
-        assert committed.tail_m and moe_mxfp4.mxfp4_tail_tile(cpu, committed, 16384, 112, torch.bfloat16) is None
-        prefill, tail = SPLIT_TILE._replace(block_m=128), SPLIT_TILE._replace(block_m=32)
-        monkeypatch.setitem(moe_mxfp4.MXFP4_TAIL_TILES_NVIDIA, "prefill", tail)
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.bfloat16) == tail
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 8192, 112, torch.bfloat16) is None
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112, torch.float16) is None
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, moe_mxfp4.MXFP4_TILES_NVIDIA["decode"], 16, 112) is None
-        # 146 rows an expert fit one block of a 128 + 32 tile: no second height
-        assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill._replace(tail_m=32), 16384, 112, torch.bfloat16) is None
-    assert moe_mxfp4.mxfp4_tail_tile(cpu, prefill, 16384, 112) is None                 # the interpreter
 
 
 def test_empty_batch_and_shape_errors():
