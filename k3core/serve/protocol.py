@@ -6,9 +6,11 @@ model (context length, vocabulary) are checked in `app.py`, which knows the mode
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from k3core.serve.fields import (  # noqa: F401  (APIError is part of this module's API)
+    _MISSING, APIError, _bool, _float, _int, _int_list, _type_error)
 
 MAX_N = 64
 MAX_STOP = 256               # stop strings per request (matched incrementally: the cost is per new character)
@@ -16,19 +18,6 @@ MAX_LOGIT_BIAS = 1024        # entries of logit_bias
 MAX_COMPLETION_LOGPROBS = 20       # completions: logprobs 0..20 (as vLLM)
 MAX_TOP_LOGPROBS = 20             # chat: top_logprobs 0..20
 MAX_PROMPT_LOGPROBS = 20          # both: prompt_logprobs 0..20 (vLLM's extension)
-
-
-class APIError(Exception):
-    """An error returned to the client in the OpenAI envelope `{"error": {message, type, param, code}}`."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
-        self.headers = headers or {}           # e.g. Retry-After on a 429
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -101,54 +90,7 @@ class ChatRequest(SamplingRequest):
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs, for jinja templates
 
 
-# ---- field readers ---------------------------------------------------------------------------------
-_MISSING = object()
-
-
-def _type_error(name: str, want: str, value: Any) -> APIError:
-    return APIError(f"'{name}' must be {want}, got {type(value).__name__} {value!r:.60}", param=name,
-                    code="invalid_type")
-
-
-def _int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an integer", value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise APIError(f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value")
-    return value
-
-
-def _float(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(name, "a number", value)
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        raise APIError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name,
-                       code="invalid_value")
-    return float(value)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
-    return value
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-        raise _type_error(name, "a list of integers", value)
-    return list(value)
-
-
+# ---- field readers: `k3core.serve.fields`; the request-specific ones -----------------------------------
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:

@@ -14,14 +14,14 @@ Numerics in bf16: the expert hidden (the GLU output) is stored in x's dtype betw
 rounds it to bf16 (2^-9 relative) before the down GEMM; the float64 oracle (`kernels.torch.moe_mxfp4`) does not,
 and the conformance tolerance covers that rounding for hidden values of O(1).
 
-Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): the x W^T kernels of `kernels.triton.moe_mxfp4_xwt`; the swap-AB kernels of
-`kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from registers:
-`swap`), optionally with x loaded contiguously and split (`split_x`), x reordered [even | odd] per K step before
-the kernels read it (`presplit`), gate and up rows stacked in one weight tile (`stacked`), or with `tl.dot_scaled`
-on the packed bytes (`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950); and the dot-free decode kernels of
-`kernels.triton.moe_mxfp4_gemv` (`gemv`: float32 multiply-adds over 1-16 rows per block, int32 word loads, one
-scale multiply per 8 weights). `bench.moe_mxfp4_sweep` checks and times them on the GPU and prints the winners for
-`MXFP4_TILES_NVIDIA` (`kernels.triton.moe_mxfp4_tiles`, whose names this module re-exports).
+Variants, chosen per call by `Mxfp4Tile` (`mxfp4_tile`): the x W^T kernels of `kernels.triton.moe_mxfp4_xwt`; the
+swap-AB kernels of `kernels.triton.moe_mxfp4_swap` (weight tile as the dot's first operand, which wgmma can take from
+registers: `swap`), optionally with x loaded contiguously and split (`split_x`), x reordered [even | odd] per K step
+before the kernels read it (`presplit`), gate and up rows stacked in one weight tile (`stacked`), or with
+`tl.dot_scaled` on the packed bytes (`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950); and the dot-free
+decode kernels of `kernels.triton.moe_mxfp4_gemv` (`gemv`: float32 multiply-adds over 1-16 rows per block, int32 word
+loads, one scale multiply per 8 weights). `bench.moe_mxfp4_sweep` checks and times them on the GPU and prints the
+winners for `MXFP4_TILES_NVIDIA` (`kernels.triton.moe_mxfp4_tiles`, whose names this module re-exports).
 """
 from __future__ import annotations
 

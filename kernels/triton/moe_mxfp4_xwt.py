@@ -42,7 +42,8 @@ def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_
         mask = row_mask[None, :]
     else:
         mask = (k_start + 2 * j < num_k)[:, None] & row_mask[None, :]   # num_k is a multiple of 32: both halves
-    packed_rows = packed_ptr + expert.to(tl.int64) * packed_expert_stride + rows[None, :].to(tl.int64) * packed_row_stride
+    packed_rows = (packed_ptr + expert.to(tl.int64) * packed_expert_stride
+                   + rows[None, :].to(tl.int64) * packed_row_stride)
     byte = tl.load(packed_rows + (k_start // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)   # [HALF_K, BLOCK_N]
     GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
     g = tl.arange(0, GROUPS)
