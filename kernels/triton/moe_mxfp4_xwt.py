@@ -61,6 +61,16 @@ def _mxfp4_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_
 
 
 @triton.jit
+def _even_odd_columns(row_ptrs, row_mask, k_even, num_k, EVEN_K: tl.constexpr):
+    """Columns `k_even` and k_even + 1 of the block's rows (`row_ptrs` [BLOCK_M, 1]): ([BLOCK_M, HALF_K]) x 2,
+    zero in padding rows and past num_k."""
+    mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < num_k)[None, :]
+    even = tl.load(row_ptrs + k_even[None, :], mask=mask, other=0.0)
+    odd = tl.load(row_ptrs + (k_even + 1)[None, :], mask=mask, other=0.0)
+    return even, odd
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                     x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                     hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta, linear_beta,
@@ -84,10 +94,7 @@ def _gate_up_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, bloc
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     j = tl.arange(0, HALF_K)
     for k_start in range(0, hidden_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        x_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < hidden_dim)[None, :]
-        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)           # [BLOCK_M, HALF_K]
-        x_odd = tl.load(x_rows + (k_even + 1)[None, :], mask=x_mask, other=0.0)
+        x_even, x_odd = _even_odd_columns(x_rows, row_mask, k_start + 2 * j, hidden_dim, EVEN_K)
         gate_low, gate_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                           scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
                                           hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K)
@@ -123,10 +130,7 @@ def _down_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     j = tl.arange(0, HALF_K)
     for k_start in range(0, inter_dim, BLOCK_K):
-        k_even = k_start + 2 * j
-        h_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (k_even < inter_dim)[None, :]
-        h_even = tl.load(h_rows + k_even[None, :], mask=h_mask, other=0.0)             # [BLOCK_M, HALF_K]
-        h_odd = tl.load(h_rows + (k_even + 1)[None, :], mask=h_mask, other=0.0)
+        h_even, h_odd = _even_odd_columns(h_rows, row_mask, k_start + 2 * j, inter_dim, EVEN_K)
         w_low, w_high = _mxfp4_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                     HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K)
