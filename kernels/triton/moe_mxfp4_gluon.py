@@ -61,12 +61,6 @@ _QUAD_DECODE = gl.constexpr(_quad_decode_ptx(fold=False))
 _QUAD_DECODE_FOLDED = gl.constexpr(_quad_decode_ptx(fold=True))
 
 
-@gluon.jit
-def _grid_dependency(ASM: gl.constexpr):
-    """griddepcontrol (programmatic dependent launch, sm_90+): a no-op when the launch did not ask for it."""
-    gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.constexpr_function
 def _flat_layout():
     return gl.BlockedLayout([1], [32], [4], [0])
@@ -211,12 +205,9 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
                          linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
-                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, PDL: gl.constexpr = False):
+                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
-    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256). PDL:
-    the down kernel may launch once every program has started (it waits for this grid before reading hidden)."""
-    if PDL:
-        _grid_dependency("griddepcontrol.launch_dependents;")
+    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256)."""
     block = gl.program_id(0)
     expert = gl.load(block_experts_ptr + block)
     if expert >= num_experts:
@@ -246,11 +237,9 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, PDL: gl.constexpr = False):
+                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
-    hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
-    PDL (launched with programmatic dependent launch): the program sets up while gate/up finishes and waits for
-    it (griddepcontrol.wait: gate/up complete, its stores visible) before the first read of hidden."""
+    hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`)."""
     col_blocks = gl.cdiv(hidden_dim, 64)
     block = gl.program_id(0) // col_blocks
     col_block = gl.program_id(0) % col_blocks
@@ -263,8 +252,6 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
-    if PDL:
-        _grid_dependency("griddepcontrol.wait;")
     acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
     cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
@@ -274,14 +261,12 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
 
 
 def gate_up_gluon(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int, fold: bool,
-                  pdl: bool, options: dict) -> None:
+                  options: dict) -> None:
     """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`)."""
     gate_up_gluon_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
-                               BLOCK_M=block_m, SCALE_FOLD=fold, PDL=pdl, num_warps=4, **options)
+                               BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
 
 
-def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, pdl: bool, options: dict) -> None:
-    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`); pdl: a programmatic dependent
-    launch after gate/up."""
-    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, PDL=pdl, num_warps=4,
-                            **({"launch_pdl": True} if pdl else {}), **options)
+def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`)."""
+    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)

@@ -55,9 +55,6 @@ class Mxfp4Tile(NamedTuple):
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
-    pdl: bool = False              # gluon only: the down kernel launched with programmatic dependent launch, set up
-    #                                while gate/up's last programs run and waiting for it (griddepcontrol) before
-    #                                it reads hidden
 
     @property
     def height(self) -> int:
@@ -221,8 +218,6 @@ def check_tile(tile: Mxfp4Tile) -> None:
                              f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, 1 stage "
                              f"(it has no software pipeline), no other option, got {tile}")
         return
-    if tile.pdl:
-        raise ValueError(f"moe_experts_mxfp4: pdl is an option of the gluon kernels; set gluon=True, got {tile}")
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
     if tile.gemv:
