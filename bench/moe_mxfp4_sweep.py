@@ -227,7 +227,7 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
         started = time.perf_counter()
         try:
             error = _relative_error(call(), want)
-            extreme = extremes[bool(getattr(candidate.tile, "gluon", False))].worst(mxfp4_op, candidate)
+            extreme = extremes[candidate.tile.gluon].worst(mxfp4_op, candidate)
         except Exception as exc:  # noqa: BLE001  (a tile that cannot compile or launch is a finding, not a crash)
             results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
                                   f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}", **extra))

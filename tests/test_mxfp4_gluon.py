@@ -22,6 +22,7 @@ import torch
 from k3core.model.mxfp4 import _code_table, _scale_table
 from kernels.triton import moe_mxfp4
 from tests.test_mxfp4_asm_decode import FOLD_SCALES, _all_scale_bits, _float_to_bf16, run_ptx
+from tests.test_mxfp4_ops import _random_experts
 
 gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
 GLUON_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode"]
@@ -70,10 +71,7 @@ def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
     moe_mxfp4.check_tile(GLUON_TILE._replace(block_m=16))
     gen = torch.Generator().manual_seed(4)
     experts, dim, inter = 2, 256, 256
-    w13p = torch.randint(0, 256, (experts, 2 * inter, dim // 2), dtype=torch.uint8, generator=gen)
-    w13s = torch.full((experts, 2 * inter, dim // 32), 127, dtype=torch.uint8)
-    w2p = torch.randint(0, 256, (experts, dim, inter // 2), dtype=torch.uint8, generator=gen)
-    w2s = torch.full((experts, dim, inter // 32), 127, dtype=torch.uint8)
+    (w13p, w13s), (w2p, w2s) = _random_experts(gen, experts, 2 * inter, dim), _random_experts(gen, experts, dim, inter)
     x, ids, weights = torch.randn(3, dim).bfloat16(), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     with pytest.raises(ValueError, match="asm_decode is NVIDIA PTX"):          # the interpreter: no Gluon
         moe_mxfp4.moe_experts_mxfp4(x, w13p, w13s, w2p, w2s, weights, ids, "silu", None, None, tile=GLUON_TILE)

@@ -138,11 +138,11 @@ MXFP4_TAIL_TILES_NVIDIA: dict[str, Mxfp4Tile] = {}
 # formats for the native MXFP4 MMA. Compiled offline for both (tests/test_offline_compile.py), never run there;
 # its numerics are Triton's on every target and are checked on sm_90 by bench.moe_mxfp4_sweep (scaled tiles).
 DOT_SCALED_ARCHES = ("sm_100", "gfx950")
+_DOT_SCALED_DECODE = Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True)
 MXFP4_TILES_DOT_SCALED: dict[str, Mxfp4Tile] = {
-    "decode_thin": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
-    "decode": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, scaled=True),
-    "decode_batch": Mxfp4Tile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
-                              scaled=True),
+    "decode_thin": _DOT_SCALED_DECODE,
+    "decode": _DOT_SCALED_DECODE,
+    "decode_batch": _DOT_SCALED_DECODE,
     "mid": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
     "prefill": Mxfp4Tile(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, swap=True, scaled=True),
 }
