@@ -15,7 +15,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, Phase, event, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, event, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from k3core import LLM, SamplingParams  # noqa: E402
@@ -91,6 +91,14 @@ def _engine(chunk_tokens: int, max_running: int, pool_requests: int) -> Engine:
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(arrivals=_arrivals(), chunk_tokens=st.integers(2, 9), max_running=st.integers(1, 4),
        pool_requests=st.sampled_from([1.5, 2, 3]))
+# Found by a CI run: with nothing running, the last request's cache hit (a finished request's prefix) locked the
+# only memory that could make room for it, and admission waited for it forever (the scheduler now admits it as a
+# miss).
+@example(arrivals=[Arrival([136, 227, 211, 30, 40, 35], 1, 2, 12), Arrival([168, 15, 237, 72, 22, 43, 210], 3, 0, 10),
+                   Arrival([37, 235, 140, 72, 255, 137, 203, 133, 79], 1, 5, None),
+                   Arrival([168, 15, 237, 72, 22, 43, 210, 75], 4, 2, None),
+                   Arrival([37, 235, 140, 72, 255, 137, 203, 133, 79, 192, 144, 129, 78, 174, 79], 2, 6, None)],
+         chunk_tokens=5, max_running=3, pool_requests=1.5)
 def test_random_workload_matches_isolated_greedy(arrivals, chunk_tokens, max_running, pool_requests):
     engine = _engine(chunk_tokens, max_running, pool_requests)
     ids: dict[int, str] = {}

@@ -238,7 +238,14 @@ class Scheduler:
             if hit_tokens:
                 self.cache.unpin_checkpoint(hit.node)
                 self.cache.unlock(hit.node)
-            return False
+            # With nothing running, no request will ever free memory: if only the hit's own locked pages and
+            # checkpoint stand in the way, waiting for the hit would stall forever. Admit as a miss instead (the
+            # hit may then be evicted to make room).
+            if not hit_tokens or self.running:
+                return False
+            hit_tokens = 0
+            if not self._make_room(1, 1):
+                return False
         request.working_slot = self.pool.alloc_slot()
         if hit_tokens:
             request.cache_node = hit.node
