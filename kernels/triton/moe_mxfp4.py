@@ -106,10 +106,11 @@ def _down_args(hidden, packed, scale, rows_out, blocks: ExpertBlocks, num_expert
 
 
 def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
-    """A gluon tile runs compiled on an NVIDIA GPU only, with whole 256-column K steps in both GEMMs."""
+    """A gluon or wgmma tile runs compiled on an NVIDIA GPU only, with whole K steps (256 or 128 columns) in both
+    GEMMs."""
     if hidden_dim % tile.block_k or inter_dim % tile.block_k:
-        raise ValueError(f"moe_experts_mxfp4: a gluon tile needs D and I multiples of {tile.block_k}, got D="
-                         f"{hidden_dim}, I={inter_dim}; use a swap tile")
+        raise ValueError(f"moe_experts_mxfp4: a {'wgmma' if tile.wgmma else 'gluon'} tile needs D and I multiples of "
+                         f"{tile.block_k}, got D={hidden_dim}, I={inter_dim}; use a swap tile")
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,8 @@ def presplit_columns(t: torch.Tensor, block_k: int) -> torch.Tensor:
 
 
 def _hidden_width(inter_dim: int, tile: Mxfp4Tile) -> int:
-    """Columns of gate_up's hidden: I, or I rounded up to block_k in presplit order."""
+    """Columns of gate_up's hidden: I, or I rounded up to block_k in presplit order (a wgmma tile's I is a
+    multiple of block_k, in `moe_mxfp4_wgmma.kappa_columns` order)."""
     return triton.cdiv(inter_dim, tile.block_k) * tile.block_k if tile.presplit else inter_dim
 
 
@@ -154,6 +156,14 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     # they must be finite
     alloc = torch.zeros if width != inter_dim else torch.empty
     hidden = alloc(num_blocks * tile.height, width, dtype=x.dtype, device=x.device)     # [P_pad, I] (or padded)
+    if tile.wgmma:
+        _check_gluon(tile, hidden_dim, inter_dim)
+        from kernels.triton.moe_mxfp4_wgmma import gate_up_wgmma, kappa_columns  # noqa: PLC0415 (NVIDIA only)
+        gate_up_wgmma(_gate_up_args(kappa_columns(x), w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim,
+                                    inter_dim, situ_beta, situ_linear_beta),
+                      (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
+                      tile.num_stages, fold, _registers(tile, x.device))
+        return hidden
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
     if tile.gluon:
@@ -204,6 +214,13 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
+    if tile.wgmma:
+        _check_gluon(tile, hidden_dim, inter_dim)
+        from kernels.triton.moe_mxfp4_wgmma import down_wgmma  # noqa: PLC0415 (Gluon: NVIDIA only)
+        down_wgmma(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
+                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, tile.num_stages, fold,
+                   _registers(tile, hidden.device))
+        return rows_out
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)

@@ -1,0 +1,289 @@
+"""MXFP4 prefill-sized expert GEMMs written in Gluon for sm_90 (NVIDIA only): wgmma with the decoded weight tile
+as its register operand and the block's x (or hidden) rows in shared memory, the next K step's weights decoded
+while the tensor cores run this one.
+
+Why. At prefill the swap kernels (`kernels.triton.moe_mxfp4_swap`) decode each expert's weights once per row block
+of at most 96 rows (64 + 32), and Triton's wgmma pipeline waits for each step's MMA before the next decode, so the
+decode's ALU work and the MMA take turns (0.81x the bf16 experts at 16K routed rows, bench/results/
+moe-mxfp4-nvidia-h200.md). Here a block is up to 256 rows (the wgmma's n), so K3's ~146 rows an expert at 16K routed
+rows decode each weight once, and the loop issues step i's wgmma asynchronously, decodes step i + 1 in registers
+while it runs, then waits.
+
+Operands. The weight tile is 64 rows (gate/up: 32 columns of I, gate rows over up rows; down: 64 columns of D), one
+warpgroup (4 warps, 16 rows each), a K step 128 columns = 64 bytes a row. A thread of a m64nNk16 wgmma holds, of
+each 16-column slab of its register operand, columns 2t, 2t+1, 2t+8, 2t+9 of rows g and g+8 of its warp's 16 rows
+(lane = 4g + t), as mma.sync does (`kernels.triton.moe_mxfp4_gluon`). The K order is the kernel's own: dot position
+kappa = 16s + 8h + 2t + p (slab s of 4, half h, pair element p) is byte j = 16t + 4s + 2h + p of the step's 64
+bytes, so each thread loads 16 consecutive bytes (one scale group) of each of its two rows, and x is stored in the
+same order: per 128 columns, [the even columns | the odd ones], each half in kappa order (`kappa_columns`;
+gate/up's store writes hidden so). x rows reach shared memory by cp.async (16 bytes a copy), `num_stages` steps in
+flight, one barrier a step.
+
+Decode: `moe_mxfp4_gluon`'s four-bytes-per-PTX-call decode (bf16 code * 2^-126, exact, then x 2^126 x the scale).
+Scope: bf16 x, K and I multiples of 128, block_m a multiple of 16 in [64, 256]. Never run in the interpreter (Gluon
+has none): CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from kernels.triton.activation import glu_f32
+from kernels.triton.moe_mxfp4_gluon import _QUAD_DECODE, _QUAD_DECODE_FOLDED
+
+STEP_COLUMNS = 128                                # K columns a step: 64 bytes of a weight row
+STEP_BYTES: gl.constexpr = gl.constexpr(64)
+
+
+def kappa_order(device: torch.device | None = None) -> torch.Tensor:
+    """[128] int64: position q of a 128-column step holds column kappa_order()[q] of the step (x's order here)."""
+    q = torch.arange(128, device=device)
+    odd, kappa = q // 64, q % 64
+    s, h, t, p = kappa // 16, kappa // 8 % 2, kappa // 2 % 4, kappa % 2
+    return 2 * (16 * t + 4 * s + 2 * h + p) + odd
+
+
+def kappa_columns(t: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, K] with each 128 columns in the kernels' order (`kappa_order`); K a multiple of 128."""
+    rows, num_k = t.shape
+    if num_k % STEP_COLUMNS:
+        raise ValueError(f"kappa_columns: K must be a multiple of {STEP_COLUMNS}, got {num_k}")
+    order = kappa_order(t.device)
+    return t.reshape(rows, num_k // STEP_COLUMNS, STEP_COLUMNS)[:, :, order].reshape(rows, num_k)
+
+
+@gluon.constexpr_function
+def _acc_layout(block_m):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(block_m):
+    return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(block_m), k_width=2)
+
+
+@gluon.constexpr_function
+def _bytes_layout():
+    """[64 rows, 64 bytes]: thread 4g + t of warp w holds rows 16w + g and + 8, bytes 16t..16t+15."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+                                      lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+
+
+@gluon.constexpr_function
+def _scale_layout():
+    """[64 rows, 4 groups, 16 bytes]: the scale of each byte of `_bytes_layout`, held where that byte is."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+                                      lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
+
+
+@gluon.constexpr_function
+def _scale_slice(dim):
+    return gl.SliceLayout(dim, gl.SliceLayout(2, _scale_layout()))
+
+
+@gluon.constexpr_function
+def _copy_layout():
+    """[rows, 64 columns] of x for cp.async: 8 consecutive bf16 (16 bytes) a thread, 8 threads a row."""
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _x_smem_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+@gluon.constexpr_function
+def _flat_layout():
+    return gl.BlockedLayout([1], [32], [4], [0])
+
+
+@gluon.constexpr_function
+def _glu_layout():
+    """[32 columns, BLOCK_M rows, 2 (gate, up)] with each (gate, up) pair in one thread, for the GLU."""
+    return gl.BlockedLayout([1, 1, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _out_layout():
+    """[64 columns of D, BLOCK_M rows] for the float32 store: 4 consecutive columns (16 bytes) a thread."""
+    return gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
+
+
+@gluon.constexpr_function
+def _slice(dim, layout):
+    return gl.SliceLayout(dim, layout)
+
+
+@gluon.jit
+def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                     scale_row_stride, w_rows):
+    """Byte pointers [64, 64] and scale pointers [64, 4, 1] of K step 0 of weight rows `w_rows` [64]."""
+    rows_b = gl.convert_layout(w_rows, _slice(1, _bytes_layout()))
+    cols_b = gl.arange(0, 64, layout=_slice(0, _bytes_layout()))
+    byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
+                 + rows_b.to(gl.int64)[:, None] * packed_row_stride + cols_b[None, :])
+    rows_s = gl.convert_layout(w_rows, _scale_slice(1))
+    groups = gl.arange(0, 4, layout=_scale_slice(0))
+    scale_ptrs = (scale_ptr + expert.to(gl.int64) * scale_expert_stride
+                  + rows_s.to(gl.int64)[:, None] * scale_row_stride + groups[None, :])
+    return byte_ptrs, gl.expand_dims(scale_ptrs, 2)
+
+
+@gluon.jit
+def _kappa(tile):
+    """[64, 64] indexed by byte j = 16t + 4s + 2h + p -> indexed by dot position kappa = 16s + 8h + 2t + p."""
+    tile = tile.reshape([64, 4, 4, 2, 2])                          # [row, t, s, h, p]
+    return tile.permute([0, 2, 3, 1, 4]).reshape([64, 64])         # [row, s, h, t, p]
+
+
+@gluon.jit
+def _decode(byte, scale, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """A step's packed bytes [64, 64] and scale bytes [64, 4, 1] -> (low-nibble, high-nibble) bf16 tiles [64, 64]
+    in the wgmma register operand's layout."""
+    scale = scale.to(gl.int32)
+    if SCALE_FOLD:
+        bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
+    else:
+        bits = gl.minimum(gl.maximum(scale << 7, 0x40), 0x7F00)    # bf16 2^(byte - 127); 0 subnormal, 255 as 254
+    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, 4, 16]).reshape([64, 64])
+    scale = gl.convert_layout(scale, _bytes_layout())
+    if SCALE_FOLD:
+        low, high = gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    else:
+        low, high = gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return (gl.convert_layout(_kappa(low), _operand_layout(BLOCK_M), assert_trivial=True),
+            gl.convert_layout(_kappa(high), _operand_layout(BLOCK_M), assert_trivial=True))
+
+
+@gluon.jit
+def _issue_x(x_ptrs, x_mask, step, even_smem, odd_smem):
+    """cp.async of step `step`'s even and odd halves of the block's rows into one stage."""
+    async_copy.async_copy_global_to_shared(even_smem, x_ptrs + step * 128, mask=x_mask)
+    async_copy.async_copy_global_to_shared(odd_smem, x_ptrs + (step * 128 + 64), mask=x_mask)
+
+
+@gluon.jit
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+            SCALE_FOLD: gl.constexpr):
+    """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps` K
+    steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row)."""
+    even_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
+    odd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
+    for s in gl.static_range(STAGES - 1):
+        if s < steps:
+            _issue_x(x_ptrs, x_mask, s, even_smem.index(s), odd_smem.index(s))
+        async_copy.commit_group()
+    low, high = _decode(gl.load(byte_ptrs), gl.load(scale_ptrs), BLOCK_M, SCALE_FOLD)
+    next_step = gl.minimum(1, steps - 1)
+    byte = gl.load(byte_ptrs + next_step * STEP_BYTES)
+    scale = gl.load(scale_ptrs + next_step * 4)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_acc_layout(BLOCK_M))
+    for step in range(steps):
+        async_copy.wait_group(STAGES - 2)                          # this step's x: this thread's copies
+        gl.thread_barrier()                                        # ... and everyone's; the last MMA is done
+        fence_async_shared()
+        stage = step % STAGES
+        acc = warpgroup_mma(low, even_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(high, odd_smem.index(stage).permute((1, 0)), acc, is_async=True)
+        ahead = step + STAGES - 1                                  # into the stage the last step's MMA read
+        if ahead < steps:
+            _issue_x(x_ptrs, x_mask, ahead, even_smem.index(ahead % STAGES), odd_smem.index(ahead % STAGES))
+        async_copy.commit_group()
+        next_low, next_high = _decode(byte, scale, BLOCK_M, SCALE_FOLD)        # step + 1 (the last step again)
+        later = gl.minimum(step + 2, steps - 1)
+        byte = gl.load(byte_ptrs + later * STEP_BYTES)
+        scale = gl.load(scale_ptrs + later * 4)
+        acc, low, high = warpgroup_mma_wait(0, deps=[acc, low, high])
+        low, high = next_low, next_high
+    async_copy.wait_group(0)
+    return acc
+
+
+@gluon.jit
+def _x_pointers(row_starts, row_ok, BLOCK_M: gl.constexpr):
+    """Pointers [BLOCK_M, 64] to the first 64 columns of each of the block's rows and the copy mask."""
+    starts = gl.convert_layout(row_starts, _slice(1, _copy_layout()))
+    ok = gl.convert_layout(row_ok, _slice(1, _copy_layout()))
+    cols = gl.arange(0, 64, layout=_slice(0, _copy_layout()))
+    return starts[:, None] + cols[None, :], ok[:, None]
+
+
+@gluon.jit
+def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                         scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
+                         linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
+    stored in x's dtype at the sorted rows, in `kappa_columns` order (what the down kernel reads)."""
+    block = gl.program_id(0)
+    expert = gl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    stack = gl.arange(0, 64, layout=_flat_layout())
+    cols_of_stack = gl.program_id(1) * 32 + stack % 32
+    w_rows = gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)            # [gate rows | up rows]
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, w_rows)
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
+    pairs = gl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs < num_pairs                                     # padding rows hold num_pairs
+    x_ptrs, x_mask = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, row_ok, BLOCK_M)
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, hidden_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
+    pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
+    gate, up = pairs_last.split()                                  # [32, BLOCK_M] each
+    hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
+    cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
+    j = cols % 128 // 2                                            # kappa_order's inverse: column -> position
+    kappa = (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
+    places = cols // 128 * 128 + cols % 2 * 64 + kappa
+    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
+    gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+
+
+@gluon.jit
+def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows.
+    One grid axis, column blocks fastest (a row block's programs share its hidden in L2)."""
+    col_blocks = gl.cdiv(hidden_dim, 64)
+    block = gl.program_id(0) // col_blocks
+    col_block = gl.program_id(0) % col_blocks
+    expert = gl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, w_rows)
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
+    row_ok = gl.load(sorted_pairs_ptr + rows) < num_pairs
+    h_ptrs, h_mask = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, row_ok, BLOCK_M)
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, h_mask, inter_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
+    acc = gl.convert_layout(acc, _out_layout())
+    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _out_layout()))
+    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _out_layout()))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
+    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
+
+
+def gate_up_wgmma(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int,
+                  stages: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a wgmma tile (`args`: `moe_mxfp4._gate_up_args`)."""
+    gate_up_wgmma_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
+                               BLOCK_M=block_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4, **options)
+
+
+def down_wgmma(args: tuple, grid: tuple, block_m: int, stages: int, fold: bool, options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a wgmma tile (`args`: `moe_mxfp4._down_args`)."""
+    down_wgmma_kernel[grid](*args, BLOCK_M=block_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4, **options)

@@ -1,0 +1,69 @@
+"""The Gluon wgmma prefill kernels' index algebra (`kernels.triton.moe_mxfp4_wgmma`), on the CPU: Gluon has no
+interpreter, so the kernels themselves are compiled offline (tests/test_offline_compile.py) and checked against
+float64 on the GPU (bench.moe_mxfp4_sweep). What can go wrong without a GPU is the K order: the weight bytes a
+thread loads, the x order `kappa_columns` writes and the hidden order gate/up's store writes must agree."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.triton import moe_mxfp4, moe_mxfp4_wgmma
+from kernels.triton.moe_mxfp4_tiles import Mxfp4Tile, check_tile
+
+
+def _kernel_kappa(j: torch.Tensor) -> torch.Tensor:
+    """gate_up_wgmma_kernel's store: byte j = 16t + 4s + 2h + p -> dot position 16s + 8h + 2t + p (its formula)."""
+    return (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
+
+
+def test_kappa_order_is_the_operand_order():
+    """Position q of a step: the even (odd) half's position kappa holds the column of byte j(kappa)'s low (high)
+    nibble, where j(kappa) is what `_kappa`'s reshape / permute puts at kappa."""
+    order = moe_mxfp4_wgmma.kappa_order()
+    assert sorted(order.tolist()) == list(range(128))
+    byte_of_kappa = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)   # _kappa on indices
+    assert torch.equal(order[:64], 2 * byte_of_kappa) and torch.equal(order[64:], 2 * byte_of_kappa + 1)
+    # the store's inverse: column c of a step goes to position c % 2 * 64 + kappa(c // 2)
+    cols = torch.arange(128)
+    places = cols % 2 * 64 + _kernel_kappa(cols // 2)
+    assert torch.equal(order[places], cols)
+
+
+def test_kappa_operands_give_the_product():
+    """The kernel's dot, simulated: A[w, kappa] = decoded weight of byte j(kappa) (low nibble = column 2j, high =
+    2j + 1), x in `kappa_columns` order; sum over both halves equals W @ x^T for a multi-step K."""
+    torch.manual_seed(0)
+    rows, num_k, tokens = 64, 384, 5
+    w = torch.randn(rows, num_k, dtype=torch.float64)
+    x = torch.randn(tokens, num_k, dtype=torch.float64)
+    xk = moe_mxfp4_wgmma.kappa_columns(x)
+    byte_of_kappa = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)
+    acc = torch.zeros(rows, tokens, dtype=torch.float64)
+    for step in range(num_k // 128):
+        cols = w[:, step * 128:(step + 1) * 128]
+        low, high = cols[:, 0::2][:, byte_of_kappa], cols[:, 1::2][:, byte_of_kappa]
+        xs = xk[:, step * 128:(step + 1) * 128]
+        acc += low @ xs[:, :64].T + high @ xs[:, 64:].T
+    torch.testing.assert_close(acc, w @ x.T)
+
+
+def test_kappa_columns_refuses_partial_steps():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moe_mxfp4_wgmma.kappa_columns(torch.zeros(2, 192))
+
+
+def test_wgmma_tile_rules():
+    good = Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, asm_decode=True,
+                     presplit=True, stacked=True, wgmma=True)
+    check_tile(good)
+    for bad in (good._replace(block_m=192), good._replace(block_k=256), good._replace(num_stages=1),
+                good._replace(gluon=True), good._replace(tail_m=32), good._replace(stacked=False)):
+        with pytest.raises(ValueError, match="wgmma tile"):
+            check_tile(bad)
+
+
+def test_wgmma_tile_needs_whole_steps():
+    tile = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, asm_decode=True,
+                     presplit=True, stacked=True, wgmma=True)
+    with pytest.raises(ValueError, match="wgmma tile needs D and I multiples of 128"):
+        moe_mxfp4._check_gluon(tile, 3584, 3000)
