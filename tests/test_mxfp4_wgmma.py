@@ -4,6 +4,12 @@ float64 on the GPU (bench.moe_mxfp4_sweep). What can go wrong without a GPU is t
 thread loads, the x order `kappa_columns` writes and the hidden order gate/up's store writes must agree."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -56,7 +62,9 @@ def test_wgmma_tile_rules():
     good = Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True, asm_decode=True,
                      presplit=True, stacked=True, wgmma=True)
     check_tile(good)
-    for bad in (good._replace(block_m=192), good._replace(block_k=256), good._replace(num_stages=1),
+    check_tile(good._replace(block_m=256))                      # 3 x (4 + 64) KiB = 204 KiB
+    for bad in (good._replace(block_m=192), good._replace(block_k=256), good._replace(num_stages=2),
+                good._replace(num_stages=6), good._replace(block_m=256, num_stages=4),
                 good._replace(gluon=True), good._replace(tail_m=32), good._replace(stacked=False)):
         with pytest.raises(ValueError, match="wgmma tile"):
             check_tile(bad)
@@ -67,3 +75,46 @@ def test_wgmma_tile_needs_whole_steps():
                      presplit=True, stacked=True, wgmma=True)
     with pytest.raises(ValueError, match="wgmma tile needs D and I multiples of 128"):
         moe_mxfp4._check_gluon(tile, 3584, 3000)
+
+
+def test_wgmma_kernels_compile_for_sm90():
+    """Both kernels through the op at K3's per-GPU widths and 1024 tokens (16K routed rows), folded and exact scales
+    (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every launch
+    compiles (the layouts' `assert_trivial` conversions hold), 64- and 128-row blocks with no local-memory stack
+    and at least 2 programs an SM (so one program's decode can run under the other's MMA), 256-row blocks at 1."""
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
+        target = offline_target("sm_90")
+        E, D, I, K, T = 112, 3584, 3072, 16, 1024
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
+        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
+        base = Mxfp4Tile(64, 64, 128, 4, 4, swap=True, asm_decode=True, presplit=True, stacked=True, wgmma=True)
+        for block_m, stages, max_scale in ((64, 4, 120), (128, 3, 120), (128, 3, 255), (256, 3, 120)):
+            with capture(target) as recorder:
+                ids = torch.arange(T * K).view(T, K) % E
+                moe_experts_mxfp4(torch.empty(T, D, dtype=torch.bfloat16), *w13, *w2, torch.full((T, K), 1 / K),
+                                  ids, "situ", 4.0, 25.0, max_scale=max_scale,
+                                  tile=base._replace(block_m=block_m, num_stages=stages))
+            for _, launch in recorder.launches:
+                if "wgmma" in launch.kernel:
+                    c = compile_launch(launch, target)
+                    r = c.resources
+                    print(block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.occupancy)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 8, lines
+    for line in lines:
+        block_m, kernel, status, stack, occupancy = line.split()
+        assert status == "ok", line
+        if block_m != "256":
+            assert stack == "0" and int(occupancy) >= 2, line
+        else:
+            assert int(occupancy) >= 1, line

@@ -1,27 +1,29 @@
 """MXFP4 prefill-sized expert GEMMs written in Gluon for sm_90 (NVIDIA only): wgmma with the decoded weight tile
-as its register operand and the block's x (or hidden) rows in shared memory, the next K step's weights decoded
-while the tensor cores run this one.
+as its register operand and the block's x (or hidden) rows in shared memory, the next K step decoded while the
+tensor cores run this one.
 
 Why. At prefill the swap kernels (`kernels.triton.moe_mxfp4_swap`) decode each expert's weights once per row block
-of at most 96 rows (64 + 32), and Triton's wgmma pipeline waits for each step's MMA before the next decode, so the
-decode's ALU work and the MMA take turns (0.81x the bf16 experts at 16K routed rows, bench/results/
-moe-mxfp4-nvidia-h200.md). Here a block is up to 256 rows (the wgmma's n), so K3's ~146 rows an expert at 16K routed
-rows decode each weight once, and the loop issues step i's wgmma asynchronously, decodes step i + 1 in registers
-while it runs, then waits.
+of at most 96 rows (64 + 32) and Triton's pipeline waits for each step's MMA before the next decode (0.81x the bf16
+experts at 16K routed rows, bench/results/moe-mxfp4-nvidia-h200.md). Here a block is up to 256 rows (the wgmma's
+n), so K3's ~146 rows an expert at 16K routed rows can decode each weight once, and each step's wgmma is issued
+asynchronously with the next step's decode after it.
 
 Operands. The weight tile is 64 rows (gate/up: 32 columns of I, gate rows over up rows; down: 64 columns of D), one
 warpgroup (4 warps, 16 rows each), a K step 128 columns = 64 bytes a row. A thread of a m64nNk16 wgmma holds, of
 each 16-column slab of its register operand, columns 2t, 2t+1, 2t+8, 2t+9 of rows g and g+8 of its warp's 16 rows
 (lane = 4g + t), as mma.sync does (`kernels.triton.moe_mxfp4_gluon`). The K order is the kernel's own: dot position
 kappa = 16s + 8h + 2t + p (slab s of 4, half h, pair element p) is byte j = 16t + 4s + 2h + p of the step's 64
-bytes, so each thread loads 16 consecutive bytes (one scale group) of each of its two rows, and x is stored in the
+bytes, so each thread reads 16 consecutive bytes (one scale group) of each of its two rows, and x is stored in the
 same order: per 128 columns, [the even columns | the odd ones], each half in kappa order (`kappa_columns`;
-gate/up's store writes hidden so). x rows reach shared memory by cp.async (16 bytes a copy), `num_stages` steps in
-flight, one barrier a step.
+gate/up's store writes hidden so). A step's packed bytes and x rows reach shared memory by cp.async (16 bytes a
+copy), STAGES - 1 steps ahead; the bytes are read back with one 16-byte shared load a row (loading them from
+global memory a step ahead instead kept 32 single bytes a thread live across the loop, repacked by about 100
+instructions a step in the offline SASS).
 
 Decode: `moe_mxfp4_gluon`'s four-bytes-per-PTX-call decode (bf16 code * 2^-126, exact, then x 2^126 x the scale).
-Scope: bf16 x, K and I multiples of 128, block_m a multiple of 16 in [64, 256]. Never run in the interpreter (Gluon
-has none): CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first.
+Scope: bf16 x, K and I multiples of 128, block_m 64, 128 or 256. Never run in the interpreter (Gluon has none):
+CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first. Not yet run on
+a GPU (no device was lent in the session that wrote them).
 """
 from __future__ import annotations
 
@@ -93,6 +95,19 @@ def _copy_layout():
 
 
 @gluon.constexpr_function
+def _byte_copy_layout():
+    """[64 rows, 64 bytes] of packed weights for cp.async: 16 consecutive bytes a thread, 4 threads a row."""
+    return gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _byte_smem_layout():
+    """Unswizzled: a warp's 16-byte reads in `_bytes_layout` (rows g and g + 8, bytes 16t..) cover 512 contiguous
+    bytes, so they are conflict-free as they are."""
+    return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@gluon.constexpr_function
 def _x_smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -122,9 +137,10 @@ def _slice(dim, layout):
 @gluon.jit
 def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                      scale_row_stride, w_rows):
-    """Byte pointers [64, 64] and scale pointers [64, 4, 1] of K step 0 of weight rows `w_rows` [64]."""
-    rows_b = gl.convert_layout(w_rows, _slice(1, _bytes_layout()))
-    cols_b = gl.arange(0, 64, layout=_slice(0, _bytes_layout()))
+    """Byte pointers [64, 64] (cp.async layout) and scale pointers [64, 4, 1] of K step 0 of weight rows `w_rows`
+    [64]."""
+    rows_b = gl.convert_layout(w_rows, _slice(1, _byte_copy_layout()))
+    cols_b = gl.arange(0, 64, layout=_slice(0, _byte_copy_layout()))
     byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
                  + rows_b.to(gl.int64)[:, None] * packed_row_stride + cols_b[None, :])
     rows_s = gl.convert_layout(w_rows, _scale_slice(1))
@@ -163,45 +179,74 @@ def _decode(byte, scale, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
 
 
 @gluon.jit
-def _issue_x(x_ptrs, x_mask, step, even_smem, odd_smem):
-    """cp.async of step `step`'s even and odd halves of the block's rows into one stage."""
+def _issue(byte_ptrs, x_ptrs, x_mask, step, byte_smem, even_smem, odd_smem):
+    """cp.async of step `step`'s packed weight bytes and the even and odd halves of the block's rows into one
+    stage, as one commit group."""
+    async_copy.async_copy_global_to_shared(byte_smem, byte_ptrs + step * STEP_BYTES)
     async_copy.async_copy_global_to_shared(even_smem, x_ptrs + step * 128, mask=x_mask)
     async_copy.async_copy_global_to_shared(odd_smem, x_ptrs + (step * 128 + 64), mask=x_mask)
+
+
+@gluon.jit
+def _step(acc, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask, byte_smem, even_smem, odd_smem,
+          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """K step `step` (its decoded halves `low`, `high`; `scale`: step + 1's scale bytes) -> the accumulator, step +
+    1's decoded halves and step + 2's scale bytes (the last step decodes itself again, unused)."""
+    async_copy.wait_group(STAGES - 3)                              # step + 1: this thread's copies
+    gl.thread_barrier()                                            # ... and everyone's; step - 1's MMA is done
+    ahead = step + STAGES - 1
+    if ahead < steps:
+        stage = ahead % STAGES
+        _issue(byte_ptrs, x_ptrs, x_mask, ahead, byte_smem.index(stage), even_smem.index(stage),
+               odd_smem.index(stage))
+    async_copy.commit_group()
+    fence_async_shared()
+    stage = step % STAGES
+    acc = warpgroup_mma(low, even_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(high, odd_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    following = gl.minimum(step + 1, steps - 1)
+    next_low, next_high = _decode(byte_smem.index(following % STAGES).load(_bytes_layout()), scale, BLOCK_M,
+                                  SCALE_FOLD)
+    next_scale = gl.load(scale_ptrs + gl.minimum(step + 2, steps - 1) * 4)
+    acc, low, high = warpgroup_mma_wait(0, deps=[acc, low, high])
+    return acc, next_low, next_high, next_scale
 
 
 @gluon.jit
 def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
             SCALE_FOLD: gl.constexpr):
     """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps` K
-    steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row)."""
+    steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row).
+
+    Step i's packed bytes and x rows land in shared memory by cp.async, STAGES - 1 steps ahead of its MMA; its
+    scale bytes come from global memory (two a thread, loaded a step ahead). Each step (`_step`) issues its two
+    wgmma (low nibbles against the even half, high against the odd) without waiting, decodes the next step from
+    shared memory while they run, then waits for them. The loop runs two steps an iteration, so that the decoded
+    operands alternate between two sets of registers: with one set a step, ptxas put the wait before the decode
+    (the decode writes the registers the running wgmma reads), so nothing overlapped; with two, part of the decode
+    overlaps in the offline sm_90 SASS (how much is ptxas' choice, step by step), and the loop is 265-295
+    instructions a step against 290-340. The barrier at the top of step i makes step i + 1's stage visible to
+    every warp and frees the stage of step i - 1, whose MMA every warp waited for, for step i + STAGES - 1's
+    copies (so STAGES >= 3: a stage each for steps i - 1, i and i + 1)."""
+    byte_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 64], _byte_smem_layout())
     even_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
     odd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
     for s in gl.static_range(STAGES - 1):
         if s < steps:
-            _issue_x(x_ptrs, x_mask, s, even_smem.index(s), odd_smem.index(s))
+            _issue(byte_ptrs, x_ptrs, x_mask, s, byte_smem.index(s), even_smem.index(s), odd_smem.index(s))
         async_copy.commit_group()
-    low, high = _decode(gl.load(byte_ptrs), gl.load(scale_ptrs), BLOCK_M, SCALE_FOLD)
-    next_step = gl.minimum(1, steps - 1)
-    byte = gl.load(byte_ptrs + next_step * STEP_BYTES)
-    scale = gl.load(scale_ptrs + next_step * 4)
+    async_copy.wait_group(STAGES - 2)                              # step 0
+    gl.thread_barrier()
+    low, high = _decode(byte_smem.index(0).load(_bytes_layout()), gl.load(scale_ptrs), BLOCK_M, SCALE_FOLD)
+    scale = gl.load(scale_ptrs + gl.minimum(1, steps - 1) * 4)
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_acc_layout(BLOCK_M))
-    for step in range(steps):
-        async_copy.wait_group(STAGES - 2)                          # this step's x: this thread's copies
-        gl.thread_barrier()                                        # ... and everyone's; the last MMA is done
-        fence_async_shared()
-        stage = step % STAGES
-        acc = warpgroup_mma(low, even_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma(high, odd_smem.index(stage).permute((1, 0)), acc, is_async=True)
-        ahead = step + STAGES - 1                                  # into the stage the last step's MMA read
-        if ahead < steps:
-            _issue_x(x_ptrs, x_mask, ahead, even_smem.index(ahead % STAGES), odd_smem.index(ahead % STAGES))
-        async_copy.commit_group()
-        next_low, next_high = _decode(byte, scale, BLOCK_M, SCALE_FOLD)        # step + 1 (the last step again)
-        later = gl.minimum(step + 2, steps - 1)
-        byte = gl.load(byte_ptrs + later * STEP_BYTES)
-        scale = gl.load(scale_ptrs + later * 4)
-        acc, low, high = warpgroup_mma_wait(0, deps=[acc, low, high])
-        low, high = next_low, next_high
+    for pair in range(steps // 2):
+        for u in gl.static_range(2):
+            acc, low, high, scale = _step(acc, low, high, scale, 2 * pair + u, steps, byte_ptrs, scale_ptrs, x_ptrs,
+                                          x_mask, byte_smem, even_smem, odd_smem, BLOCK_M, STAGES, SCALE_FOLD)
+    if steps % 2:
+        acc, low, high, scale = _step(acc, low, high, scale, steps - 1, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask,
+                                      byte_smem, even_smem, odd_smem, BLOCK_M, STAGES, SCALE_FOLD)
     async_copy.wait_group(0)
     return acc
 
