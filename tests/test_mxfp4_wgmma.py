@@ -4,17 +4,12 @@ float64 on the GPU (bench.moe_mxfp4_sweep). What can go wrong without a GPU is t
 thread loads, the x order `kappa_columns` writes and the hidden order gate/up's store writes must agree."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.triton import moe_mxfp4, moe_mxfp4_wgmma
 from kernels.triton.moe_mxfp4_tiles import Mxfp4Tile, check_tile
+from tests.test_offline_compile import _python
 
 
 def _kernel_kappa(j: torch.Tensor) -> torch.Tensor:
@@ -82,8 +77,7 @@ def test_wgmma_kernels_compile_for_sm90():
     (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every launch
     compiles (the layouts' `assert_trivial` conversions hold), 64- and 128-row blocks with no local-memory stack
     and at least 2 programs an SM (so one program's decode can run under the other's MMA), 256-row blocks at 1."""
-    root = Path(__file__).resolve().parents[1]
-    code = textwrap.dedent("""
+    result = _python("""
         import torch
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
@@ -104,10 +98,7 @@ def test_wgmma_kernels_compile_for_sm90():
                     c = compile_launch(launch, target)
                     r = c.resources
                     print(block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.occupancy)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=900)
+    """, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 8, lines

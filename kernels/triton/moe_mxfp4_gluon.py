@@ -88,12 +88,6 @@ def _scale_layout():
 
 
 @gluon.constexpr_function
-def _scale_slice(dim):
-    """The row (dim 1) or group (dim 0) axis of `_scale_layout`'s [64, 8] slice."""
-    return gl.SliceLayout(dim, gl.SliceLayout(2, _scale_layout()))
-
-
-@gluon.constexpr_function
 def _operand_layout(index):
     return gl.DotOperandLayout(operand_index=index, parent=_mma_layout(), k_width=2)
 
@@ -133,22 +127,29 @@ def _kappa_cols(tile, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD: gl.constexpr):
-    """K step `step` of the 64 weight rows: (low-nibble, high-nibble) tiles [64, 128] in the A operand layout."""
-    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [64, 128] uint8
-    scale = gl.load(scale_ptrs + step * 8).to(gl.int32)                                    # [64, 8, 1]
+def _quad_decode(byte, scale, BYTES: gl.constexpr, bytes_layout: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """Packed bytes [64, BYTES] in `bytes_layout` and their scale bytes [64, BYTES / 16, 1] -> (low-nibble,
+    high-nibble) bf16 tiles [64, BYTES] in `bytes_layout` (`_QUAD_DECODE`: the scale broadcast to its 16 bytes)."""
+    scale = scale.to(gl.int32)
     if SCALE_FOLD:
         bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
     else:
         bits = gl.minimum(gl.maximum(scale << 7, 0x40), 0x7F00)    # bf16 2^(byte - 127); 0 subnormal, 255 as 254
-    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, 8, 16]).reshape([64, 128])
-    scale = gl.convert_layout(scale, _bytes_layout())
+    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, BYTES // 16, 16]).reshape([64, BYTES])
+    scale = gl.convert_layout(scale, bytes_layout)
     if SCALE_FOLD:
-        low, high = gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    else:
-        low, high = gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        return gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD: gl.constexpr):
+    """K step `step` of the 64 weight rows: (low-nibble, high-nibble) tiles [64, 128] in the A operand layout."""
+    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [64, 128] uint8
+    scale = gl.load(scale_ptrs + step * 8)                                                 # [64, 8, 1]
+    low, high = _quad_decode(byte, scale, 128, _bytes_layout(), SCALE_FOLD)
     return (gl.convert_layout(_kappa_rows(low), _operand_layout(0), assert_trivial=True),
             gl.convert_layout(_kappa_rows(high), _operand_layout(0), assert_trivial=True))
 
@@ -165,15 +166,16 @@ def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                     scale_row_stride, w_rows):
-    """Byte pointers [64, 128] and scale pointers [64, 8, 1] of K step 0 of weight rows `w_rows` [64] (any 1-D
-    layout; converted here)."""
-    rows_b = gl.convert_layout(w_rows, _slice(1, _bytes_layout()))
-    cols_b = gl.arange(0, 128, layout=_slice(0, _bytes_layout()))
+                     scale_row_stride, w_rows, BYTES: gl.constexpr, bytes_layout: gl.constexpr,
+                     scale_layout: gl.constexpr):
+    """Byte pointers [64, BYTES] in `bytes_layout` and scale pointers [64, BYTES / 16, 1] in `scale_layout` of K
+    step 0 of weight rows `w_rows` [64] (any 1-D layout; converted here)."""
+    rows_b = gl.convert_layout(w_rows, _slice(1, bytes_layout))
+    cols_b = gl.arange(0, BYTES, layout=_slice(0, bytes_layout))
     byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
                  + rows_b.to(gl.int64)[:, None] * packed_row_stride + cols_b[None, :])
-    rows_s = gl.convert_layout(w_rows, _scale_slice(1))
-    groups = gl.arange(0, 8, layout=_scale_slice(0))
+    rows_s = gl.convert_layout(w_rows, _slice(1, _slice(2, scale_layout)))
+    groups = gl.arange(0, BYTES // 16, layout=_slice(0, _slice(2, scale_layout)))
     scale_ptrs = (scale_ptr + expert.to(gl.int64) * scale_expert_stride
                   + rows_s.to(gl.int64)[:, None] * scale_row_stride + groups[None, :])
     return byte_ptrs, gl.expand_dims(scale_ptrs, 2)
@@ -212,25 +214,41 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     expert = gl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    stack = gl.arange(0, 64, layout=_flat_layout())
-    cols_of_stack = gl.program_id(1) * 32 + stack % 32
-    w_rows = gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)            # [gate rows | up rows]
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows)
+                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim), 128,
+                                             _bytes_layout(), _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta,
+                                                 linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+    places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
+    gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
+             hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+
+
+@gluon.jit
+def _stacked_rows(inter_dim):
+    """The 64 weight rows of a gate/up program (32 columns of I from program_id(1)): gate rows over up rows."""
+    stack = gl.arange(0, 64, layout=_flat_layout())
+    cols_of_stack = gl.program_id(1) * 32 + stack % 32
+    return gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)
+
+
+@gluon.jit
+def _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
+              IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
+    """A gate/up program's product [64, BLOCK_M] (`_stacked_rows`, any layout) -> the GLU in float32 [32 columns,
+    BLOCK_M rows], its columns of I, its sorted rows and the store mask (real rows, columns within I)."""
     pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
     gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
     hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
     cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
-    places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
-    gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
-             hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+    return hidden, cols, out_rows, out_mask
 
 
 @gluon.jit
@@ -248,7 +266,8 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         return
     w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows)
+                                             scale_expert_stride, scale_row_stride, w_rows, 128, _bytes_layout(),
+                                             _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)

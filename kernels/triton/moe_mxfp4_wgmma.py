@@ -33,8 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.triton.activation import glu_f32
-from kernels.triton.moe_mxfp4_gluon import _QUAD_DECODE, _QUAD_DECODE_FOLDED
+from kernels.triton.moe_mxfp4_gluon import (_flat_layout, _glu_rows, _quad_decode, _slice, _stacked_rows,
+                                            _weight_pointers)
 
 STEP_COLUMNS = 128                                # K columns a step: 64 bytes of a weight row
 STEP_BYTES: gl.constexpr = gl.constexpr(64)
@@ -84,11 +84,6 @@ def _scale_layout():
 
 
 @gluon.constexpr_function
-def _scale_slice(dim):
-    return gl.SliceLayout(dim, gl.SliceLayout(2, _scale_layout()))
-
-
-@gluon.constexpr_function
 def _copy_layout():
     """[rows, 64 columns] of x for cp.async: 8 consecutive bf16 (16 bytes) a thread, 8 threads a row."""
     return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -113,41 +108,9 @@ def _x_smem_layout():
 
 
 @gluon.constexpr_function
-def _flat_layout():
-    return gl.BlockedLayout([1], [32], [4], [0])
-
-
-@gluon.constexpr_function
-def _glu_layout():
-    """[32 columns, BLOCK_M rows, 2 (gate, up)] with each (gate, up) pair in one thread, for the GLU."""
-    return gl.BlockedLayout([1, 1, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])
-
-
-@gluon.constexpr_function
 def _out_layout():
     """[64 columns of D, BLOCK_M rows] for the float32 store: 4 consecutive columns (16 bytes) a thread."""
     return gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
-
-
-@gluon.constexpr_function
-def _slice(dim, layout):
-    return gl.SliceLayout(dim, layout)
-
-
-@gluon.jit
-def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                     scale_row_stride, w_rows):
-    """Byte pointers [64, 64] (cp.async layout) and scale pointers [64, 4, 1] of K step 0 of weight rows `w_rows`
-    [64]."""
-    rows_b = gl.convert_layout(w_rows, _slice(1, _byte_copy_layout()))
-    cols_b = gl.arange(0, 64, layout=_slice(0, _byte_copy_layout()))
-    byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
-                 + rows_b.to(gl.int64)[:, None] * packed_row_stride + cols_b[None, :])
-    rows_s = gl.convert_layout(w_rows, _scale_slice(1))
-    groups = gl.arange(0, 4, layout=_scale_slice(0))
-    scale_ptrs = (scale_ptr + expert.to(gl.int64) * scale_expert_stride
-                  + rows_s.to(gl.int64)[:, None] * scale_row_stride + groups[None, :])
-    return byte_ptrs, gl.expand_dims(scale_ptrs, 2)
 
 
 @gluon.jit
@@ -161,19 +124,7 @@ def _kappa(tile):
 def _decode(byte, scale, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """A step's packed bytes [64, 64] and scale bytes [64, 4, 1] -> (low-nibble, high-nibble) bf16 tiles [64, 64]
     in the wgmma register operand's layout."""
-    scale = scale.to(gl.int32)
-    if SCALE_FOLD:
-        bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
-    else:
-        bits = gl.minimum(gl.maximum(scale << 7, 0x40), 0x7F00)    # bf16 2^(byte - 127); 0 subnormal, 255 as 254
-    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, 4, 16]).reshape([64, 64])
-    scale = gl.convert_layout(scale, _bytes_layout())
-    if SCALE_FOLD:
-        low, high = gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    else:
-        low, high = gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
-                                              dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    low, high = _quad_decode(byte, scale, 64, _bytes_layout(), SCALE_FOLD)
     return (gl.convert_layout(_kappa(low), _operand_layout(BLOCK_M), assert_trivial=True),
             gl.convert_layout(_kappa(high), _operand_layout(BLOCK_M), assert_trivial=True))
 
@@ -272,25 +223,19 @@ def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     expert = gl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
-    stack = gl.arange(0, 64, layout=_flat_layout())
-    cols_of_stack = gl.program_id(1) * 32 + stack % 32
-    w_rows = gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)            # [gate rows | up rows]
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows)
+                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim), 64,
+                                             _byte_copy_layout(), _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_ok = pairs < num_pairs                                     # padding rows hold num_pairs
     x_ptrs, x_mask = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, row_ok, BLOCK_M)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, hidden_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
-    pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
-    gate, up = pairs_last.split()                                  # [32, BLOCK_M] each
-    hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta,
+                                                 linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     j = cols % 128 // 2                                            # kappa_order's inverse: column -> position
     kappa = (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
     places = cols // 128 * 128 + cols % 2 * 64 + kappa
-    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
-    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
 
@@ -310,7 +255,8 @@ def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         return
     w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows)
+                                             scale_expert_stride, scale_row_stride, w_rows, 64, _byte_copy_layout(),
+                                             _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
     row_ok = gl.load(sorted_pairs_ptr + rows) < num_pairs
     h_ptrs, h_mask = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, row_ok, BLOCK_M)
