@@ -55,7 +55,7 @@ class Mxfp4Tile(NamedTuple):
     wgmma: bool = False            # NVIDIA sm_90, bf16: both GEMMs as the Gluon wgmma kernels of
     #                                `kernels.triton.moe_mxfp4_wgmma` (the decoded weights as the register operand,
     #                                x rows in shared memory, the next step decoded under this step's MMA); needs
-    #                                swap, asm_decode, presplit and stacked, block_m 64, 128 or 256 (the wgmma's n),
+    #                                swap, asm_decode, presplit and stacked, block_m 16-256 (the wgmma's n),
     #                                block_n 64, block_k 128, 4 warps, num_stages 3-5 (stages of weight bytes and x
     #                                rows in shared memory, within 224 KiB), K and I multiples of 128; x and hidden
     #                                in `moe_mxfp4_wgmma.kappa_columns` order. Not yet run on a GPU
@@ -217,14 +217,14 @@ def check_tile(tile: Mxfp4Tile) -> None:
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
     if tile.wgmma:
         if (tile.gluon or not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked)
-                or tile.block_m not in (64, 128, 256) or tile.block_n != 64 or tile.block_k != 128
+                or tile.block_m not in (16, 32, 64, 128, 256) or tile.block_n != 64 or tile.block_k != 128
                 or tile.num_warps != 4 or not 3 <= tile.num_stages <= 5 or tile.tail_m
                 or tile.num_stages * (4096 + 256 * tile.block_m) > 224 * 1024
                 or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
                 or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a wgmma tile is the 4-warp Gluon wgmma kernel: swap, asm_decode, "
-                             f"presplit and stacked, block_m 64, 128 or 256, block_n 64, block_k 128, 3-5 stages "
-                             f"within 224 KiB of shared memory (a stage: 4 KiB of weight bytes and block_m x 256 "
+                             f"presplit and stacked, block_m 16-256 (a power of two), block_n 64, block_k 128, 3-5 "
+                             f"stages within 224 KiB of shared memory (a stage: 4 KiB of weight bytes and block_m x 256 "
                              f"bytes of x), not gluon, no other option, got {tile}")
         return
     if tile.gluon:
