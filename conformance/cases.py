@@ -391,6 +391,12 @@ def _cases() -> list[Case]:
         activation="situ", offset=16, foreign_after=2, extremes=True, not_for=FP16_EXTREMES)
     add("moe_experts_mxfp4", "silu-decode-fold-T10-D768-I512-E16-k2", "full", T=10, D=768, I=512, E=16, top_k=2,
         activation="silu", fold_extremes=True)
+    # prefill-sized calls with D and I whole 128-column steps (D three: an odd count), the shapes a wgmma tile
+    # takes (`kernels.triton.moe_mxfp4_wgmma`; 250 rows an expert), with the extremes and folded
+    add("moe_experts_mxfp4", "situ-prefill-extremes-T500-D384-I256-E8-k4", "full", T=500, D=384, I=256, E=8,
+        top_k=4, activation="situ", extremes=True, not_for=FP16_EXTREMES)
+    add("moe_experts_mxfp4", "silu-prefill-fold-T500-D384-I256-E8-k4", "full", T=500, D=384, I=256, E=8, top_k=4,
+        activation="silu", fold_extremes=True)
     add("attn_res_read", "T15-S4-valid2", "quick", T=15, S=4, num_valid=2, D=64)
     add("attn_res_read", "T1-S3-valid0", "quick", T=1, S=3, num_valid=0, D=64)
     add("attn_res_read", "T1000-S9-valid8", "full", T=1000, S=9, num_valid=8, D=512)

@@ -175,7 +175,8 @@ def test_fp16_skips_only_the_mxfp4_cases_it_cannot_hold_and_says_why():
     provider = _provider("torch.moe_experts_mxfp4")
     mxfp4 = [c for c in CASES if c.op == "moe_experts_mxfp4"]
     extremes = [c for c in mxfp4 if c.params.get("extremes")]
-    assert len(extremes) == 3                  # the uneven EP case, the prefill-sized one, the whole-step decode one
+    assert len(extremes) == 4                  # the uneven EP case, the prefill-sized ones (any K, whole 128-column
+    #                                            steps), the whole-step decode one
     for case in extremes:
         skipped = run_case(case, provider, torch.float16, CPU, SEED)
         assert skipped.status == "skipped" and "outside float16" in skipped.reason
