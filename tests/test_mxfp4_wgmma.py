@@ -58,8 +58,8 @@ def test_wgmma_tile_rules():
                      presplit=True, stacked=True, wgmma=True)
     check_tile(good)
     check_tile(good._replace(block_m=256))                      # 3 x (4 + 64) KiB = 204 KiB
-    for bad in (good._replace(block_m=192), good._replace(block_m=8), good._replace(block_k=256), good._replace(num_stages=2),
-                good._replace(num_stages=6), good._replace(block_m=256, num_stages=4),
+    for bad in (good._replace(block_m=192), good._replace(block_m=8), good._replace(block_k=256),
+                good._replace(num_stages=2), good._replace(num_stages=6), good._replace(block_m=256, num_stages=4),
                 good._replace(gluon=True), good._replace(tail_m=32), good._replace(stacked=False)):
         with pytest.raises(ValueError, match="wgmma tile"):
             check_tile(bad)

@@ -21,48 +21,48 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_MISSING = object()
+MISSING = object()
 
 
-def _type_error(name: str, want: str, value: Any) -> APIError:
+def type_error(name: str, want: str, value: Any) -> APIError:
     return APIError(f"'{name}' must be {want}, got {type(value).__name__} {value!r:.60}", param=name,
                     code="invalid_type")
 
 
-def _int(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+def int_field(body: dict, name: str, default: Any, low: int | None = None, high: int | None = None) -> Any:
+    value = body.get(name, MISSING)
+    if value is MISSING or value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(name, "an integer", value)
+        raise type_error(name, "an integer", value)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"between {low} and {high}"
         raise APIError(f"'{name}' must be {bounds}, got {value}", param=name, code="invalid_value")
     return value
 
 
-def _float(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+def float_field(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name, MISSING)
+    if value is MISSING or value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _type_error(name, "a number", value)
+        raise type_error(name, "a number", value)
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise APIError(f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name,
                        code="invalid_value")
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, MISSING)
+    if value is MISSING or value is None:
         return default
     if not isinstance(value, bool):
-        raise _type_error(name, "a boolean", value)
+        raise type_error(name, "a boolean", value)
     return value
 
 
-def _int_list(value: Any, name: str) -> list[int]:
+def int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-        raise _type_error(name, "a list of integers", value)
+        raise type_error(name, "a list of integers", value)
     return list(value)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from k3core.serve.fields import (  # noqa: F401  (APIError is part of this module's API)
-    _MISSING, APIError, _bool, _float, _int, _int_list, _type_error)
+    MISSING, APIError, bool_field, float_field, int_field, int_list, type_error)
 
 MAX_N = 64
 MAX_STOP = 256               # stop strings per request (matched incrementally: the cost is per new character)
@@ -98,7 +98,7 @@ def _stop(body: dict) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _type_error("stop", "a string or a list of strings", value)
+        raise type_error("stop", "a string or a list of strings", value)
     if len(value) > MAX_STOP:
         raise APIError(f"'stop' takes at most {MAX_STOP} sequences", param="stop", code="invalid_value")
     return [s for s in value if s]
@@ -146,7 +146,7 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
         return None
     name = "structured_outputs"
     if not isinstance(value, dict):
-        raise _type_error(name, f"an object with one of {', '.join(STRUCTURED_OUTPUT_KEYS)}", value)
+        raise type_error(name, f"an object with one of {', '.join(STRUCTURED_OUTPUT_KEYS)}", value)
     given = {key: item for key, item in value.items() if item is not None}
     unknown = [key for key in given if key not in STRUCTURED_OUTPUT_KEYS]
     if unknown:
@@ -167,7 +167,7 @@ def _structured_outputs(body: dict) -> dict[str, Any] | None:
             "choice": (list, "a non-empty list of strings"), "grammar": (str, "an EBNF grammar (a string)")}[key]
     if not isinstance(item, want[0]) or (key == "choice" and (not item or not all(isinstance(c, str)
                                                                                  for c in item))):
-        raise _type_error(f"{name}.{key}", want[1], item)
+        raise type_error(f"{name}.{key}", want[1], item)
     return {key: item}
 
 
@@ -235,42 +235,42 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], honoured: fro
     _unsupported(body, echo)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _type_error("user", "a string", user)
+        raise type_error("user", "a string", user)
     max_tokens = None
     for name in max_tokens_names:
-        max_tokens = _int(body, name, max_tokens, low=0 if echo else 1)
-    if max_tokens == 0 and not _bool(body, "echo", False):
+        max_tokens = int_field(body, name, max_tokens, low=0 if echo else 1)
+    if max_tokens == 0 and not bool_field(body, "echo", False):
         raise APIError("'max_tokens' 0 returns only the prompt, so it needs 'echo': true; otherwise give 1 or more",
                        param="max_tokens", code="invalid_value")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
-        raise _type_error("stream_options", "an object", stream_options)
-    stream = _bool(body, "stream", False)
-    prompt_logprobs = _int(body, "prompt_logprobs", None, low=0, high=MAX_PROMPT_LOGPROBS)
+        raise type_error("stream_options", "an object", stream_options)
+    stream = bool_field(body, "stream", False)
+    prompt_logprobs = int_field(body, "prompt_logprobs", None, low=0, high=MAX_PROMPT_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise APIError("'prompt_logprobs' is returned in whole responses only; set 'stream' to false (or use 'echo' "
                        "with 'logprobs' on completions)", param="prompt_logprobs", code="unsupported_parameter")
     stop_token_ids = body.get("stop_token_ids")
     return dict(
         model=model, max_tokens=max_tokens,
-        temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=max(_int(body, "top_k", 0, low=-1), 0),      # -1 also means off, as in vLLM
-        min_p=_float(body, "min_p", 0.0, 0.0, 1.0),
-        presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
-        min_tokens=_int(body, "min_tokens", 0, low=0),
+        temperature=float_field(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=float_field(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(int_field(body, "top_k", 0, low=-1), 0),      # -1 also means off, as in vLLM
+        min_p=float_field(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=float_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=float_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=float_field(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True),
+        min_tokens=int_field(body, "min_tokens", 0, low=0),
         logit_bias=_logit_bias(body),
-        n=_int(body, "n", 1, low=1, high=MAX_N),
-        seed=_int(body, "seed", None),
+        n=int_field(body, "n", 1, low=1, high=MAX_N),
+        seed=int_field(body, "seed", None),
         stop=_stop(body),
-        stop_token_ids=_int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
-        ignore_eos=_bool(body, "ignore_eos", False),
+        stop_token_ids=int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
+        ignore_eos=bool_field(body, "ignore_eos", False),
         prompt_logprobs=prompt_logprobs,
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
         stream=stream,
-        include_usage=stream and _bool(stream_options or {}, "include_usage", False),
+        include_usage=stream and bool_field(stream_options or {}, "include_usage", False),
         structured_outputs=_structured_outputs(body),
         given=frozenset(name for name, value in body.items() if value is not None),
         ignored=ignored,
@@ -280,8 +280,8 @@ def _sampling_fields(body: Any, max_tokens_names: tuple[str, ...], honoured: fro
 # ---- the two request kinds -----------------------------------------------------------------------
 def parse_completion(body: Any) -> CompletionRequest:
     common = _sampling_fields(body, ("max_tokens",), COMPLETION_FIELDS, echo=True)
-    prompt = body.get("prompt", _MISSING)
-    if prompt is _MISSING or prompt is None:
+    prompt = body.get("prompt", MISSING)
+    if prompt is MISSING or prompt is None:
         raise APIError("'prompt' is required", param="prompt", code="missing_required_parameter")
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -290,17 +290,17 @@ def parse_completion(body: Any) -> CompletionRequest:
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [_int_list(p, "prompt") for p in prompt]
+        prompts = [int_list(p, "prompt") for p in prompt]
     else:
-        raise _type_error("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
+        raise type_error("prompt", "a string, a list of strings, a list of token ids or a list of such lists",
                           prompt)
     if any(len(p) == 0 for p in prompts):
         raise APIError("'prompt' is empty; give at least one character or token", param="prompt",
                        code="invalid_value")
     if common["max_tokens"] is None:
         common["max_tokens"] = 16                          # the OpenAI completions default
-    logprobs = _int(body, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
-    return CompletionRequest(**common, logprobs=logprobs, prompts=prompts, echo=_bool(body, "echo", False))
+    logprobs = int_field(body, "logprobs", None, low=0, high=MAX_COMPLETION_LOGPROBS)
+    return CompletionRequest(**common, logprobs=logprobs, prompts=prompts, echo=bool_field(body, "echo", False))
 
 
 def _message_content(value: Any, index: int) -> str:
@@ -316,7 +316,7 @@ def _message_content(value: Any, index: int) -> str:
                                f"supported", param=f"messages[{index}].content", code="invalid_value")
             parts.append(part["text"])
         return "".join(parts)
-    raise _type_error(f"messages[{index}].content", "a string or a list of text parts", value)
+    raise type_error(f"messages[{index}].content", "a string or a list of text parts", value)
 
 
 def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
@@ -324,7 +324,7 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _type_error(name, "a list of tool calls", value)
+        raise type_error(name, "a list of tool calls", value)
     calls = []
     for position, call in enumerate(value):
         function = call.get("function") if isinstance(call, dict) else None
@@ -342,7 +342,7 @@ def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:
 def _optional_str(message: dict, key: str, index: int) -> str | None:
     value = message.get(key)
     if value is not None and not isinstance(value, str):
-        raise _type_error(f"messages[{index}].{key}", "a string", value)
+        raise type_error(f"messages[{index}].{key}", "a string", value)
     return value
 
 
@@ -351,7 +351,7 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _type_error("tools", "a list of {'type': 'function', 'function': {...}} objects", tools)
+        raise type_error("tools", "a list of {'type': 'function', 'function': {...}} objects", tools)
     for position, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
@@ -396,12 +396,12 @@ def _thinking(body: dict) -> tuple[bool | None, str | None, dict[str, Any]]:
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, dict):
-        raise _type_error("chat_template_kwargs", "an object", kwargs)
+        raise type_error("chat_template_kwargs", "an object", kwargs)
     thinking = None
     for key in ("thinking", "enable_thinking"):
         if kwargs.get(key) is not None:
             if not isinstance(kwargs[key], bool):
-                raise _type_error(f"chat_template_kwargs.{key}", "a boolean", kwargs[key])
+                raise type_error(f"chat_template_kwargs.{key}", "a boolean", kwargs[key])
             thinking = kwargs[key]
     effort = body.get("reasoning_effort")
     if effort is not None:
@@ -435,12 +435,12 @@ def parse_chat(body: Any) -> ChatRequest:
             tool_calls=_tool_calls(message.get("tool_calls"), index) if message["role"] == "assistant" else [],
             tool_call_id=_optional_str(message, "tool_call_id", index),
             reasoning_content=_optional_str(message, "reasoning_content", index)))
-    want_logprobs = _bool(body, "logprobs", False)
-    top_logprobs = _int(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    want_logprobs = bool_field(body, "logprobs", False)
+    top_logprobs = int_field(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not want_logprobs:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
     thinking, effort, kwargs = _thinking(body)
     return ChatRequest(**common, logprobs=(top_logprobs or 0) if want_logprobs else None, messages=messages,
                        tools=_tools(body), tool_choice=_tool_choice(body), thinking=thinking,
-                       parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+                       parallel_tool_calls=bool_field(body, "parallel_tool_calls", True),
                        thinking_effort=effort, response_format=_response_format(body), template_kwargs=kwargs)

@@ -224,8 +224,8 @@ def check_tile(tile: Mxfp4Tile) -> None:
                 or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a wgmma tile is the 4-warp Gluon wgmma kernel: swap, asm_decode, "
                              f"presplit and stacked, block_m 16-256 (a power of two), block_n 64, block_k 128, 3-5 "
-                             f"stages within 224 KiB of shared memory (a stage: 4 KiB of weight bytes and block_m x 256 "
-                             f"bytes of x), not gluon, no other option, got {tile}")
+                             f"stages within 224 KiB of shared memory (a stage: 4 KiB of weight bytes and block_m x "
+                             f"256 bytes of x), not gluon, no other option, got {tile}")
         return
     if tile.gluon:
         if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)

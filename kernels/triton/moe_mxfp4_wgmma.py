@@ -21,9 +21,9 @@ global memory a step ahead instead kept 32 single bytes a thread live across the
 instructions a step in the offline SASS).
 
 Decode: `moe_mxfp4_gluon`'s four-bytes-per-PTX-call decode (bf16 code * 2^-126, exact, then x 2^126 x the scale).
-Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256]. Never run in the interpreter (Gluon has none):
-CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first. Not yet run on
-a GPU (no device was lent in the session that wrote them).
+Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256]. Never run in the interpreter (Gluon
+has none): CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first. Not
+yet run on a GPU (no device was lent in the session that wrote them).
 """
 from __future__ import annotations
 
