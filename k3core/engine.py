@@ -2,7 +2,8 @@
 
 `Engine` owns the unified pool, the radix cache and the scheduler of one model replica. `step()` runs one batch
 and returns what each request produced; `run_until_done` drives it for the offline `LLM.generate`, and the
-server calls `step()` from its own engine thread.
+server calls `step()` from its own engine thread. Sampling a step's rows is `k3core.step_sample`; what a step
+emits and the rules that finish a request are `k3core.step_output`.
 
 With `EngineOptions.cuda_graphs` the engine captures the decode step once at start (one CUDA/HIP graph per batch
 bucket, `k3core.model.graph_decode`) and replays it for every step that is decode only and fits the graphs (batch
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,11 +41,13 @@ from k3core.model.graph_decode import capture_decode_graphs, graph_runner_for
 from k3core.prompt_logprob_store import PromptLogprobStore
 from k3core.prompt_logprobs import DevicePromptLogprobs, PromptLogprobs, PromptRows, prompt_positions, \
     score_prompt_rows
-from k3core.sampler import DeviceSample, HostSample, SampleRow, Sampler
+from k3core.sampler import DeviceSample, Sampler
 from k3core.sampling_params import SamplingParams
 from k3core.sched.request import UNRESOLVED_TOKEN, Request
 from k3core.sched.scheduler import Scheduler, SchedulerOptions
 from k3core.step_counts import StepCounts
+from k3core.step_output import StepOutput, drop_unresolved, finish_reason
+from k3core.step_sample import ResolvedSample, sample_step
 from k3core.stop import OutputText
 from k3core.transfer import index_tables
 
@@ -56,29 +59,6 @@ class _Launched:
     sample: DeviceSample | ResolvedSample | None
     row_of: dict[str, int]               # request id -> row
     prompt: DevicePromptLogprobs | None = None    # the step's prompt logprobs, read before its samples
-
-
-@dataclass
-class ResolvedSample:
-    """A sample already on the host (parallel plans: broadcast from the sampler rank)."""
-    host: HostSample
-    token_ids: None = None
-    failed: dict[int, str] = field(default_factory=dict)     # row -> why sampling it raised (the row's token is junk)
-
-    def result(self) -> HostSample:
-        return self.host
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    new_text: str = ""          # text a client may see now: never part of a stop string, never taken back
-    error: str | None = None    # finish_reason "error": what failed while running this request's work
-    prompt_logprobs: PromptLogprobs | None = None    # on the request's first output, when asked for
 
 
 class Engine:
@@ -194,7 +174,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        self._drop_unresolved(request)
+        drop_unresolved(request)
         self.scheduler.abort(request)
         self.sampler.remove_request(request_id)
         if self.constraints is not None:
@@ -284,7 +264,7 @@ class Engine:
 
     def _fail(self, request: Request, message: str) -> StepOutput:
         """End a request whose own work failed; its memory is freed as for an abort."""
-        self._drop_unresolved(request)
+        drop_unresolved(request)
         request.finish_reason = "error"
         self.scheduler.abort(request)
         self.sampler.remove_request(request.request_id)
@@ -419,54 +399,8 @@ class Engine:
         return logits[index_tables([wanted], logits.device, torch.int64)[0]]
 
     def _sample(self, logits: torch.Tensor | None, requests: list[Request]):
-        """The batch's next tokens, sampled on the device in one call. Under a parallel plan the sampler rank
-        samples and every rank receives the host result (no overlap there)."""
-        rows = [SampleRow(r.request_id, r.params, r.output_token_ids, r.prompt_token_ids) for r in requests]
-        runner = self.runner
-        if self.llm.plan.is_single:
-            sample = self._sample_rows(logits, rows, requests)
-            sample.start_copy()
-            return sample
-        resolved = None
-        if runner.comm.rank == runner.sampler_rank:    # every rank's matchers accept the broadcast tokens
-            resolved = self._sample_rows_apart(logits, rows, requests)
-        return runner.comm.broadcast_object(resolved, src=runner.sampler_rank)
-
-    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]
-                           ) -> ResolvedSample:
-        """The sampler rank's sample of a plan's batch. If sampling the batch raises, each row is sampled alone and
-        the rows that still raise are marked failed: every rank receives the marks with the tokens and fails those
-        requests only, so a poison request neither desynchronises the ranks nor takes its batch down. A row's draw
-        depends on its own seed and position only, so the other rows get the tokens the batch would have given."""
-        def host_sample(logits_rows: torch.Tensor, sample_rows: list[SampleRow],
-                        sample_requests: list[Request]) -> HostSample:
-            sample = self._sample_rows(logits_rows, sample_rows, sample_requests)
-            sample.start_copy()
-            return sample.result()
-        try:
-            return ResolvedSample(host_sample(logits, rows, requests))
-        except Exception:  # noqa: BLE001 (find the offending rows below; the others are sampled again)
-            pass
-        token_ids, logprobs, failed = [], [], {}
-        for index, row in enumerate(rows):
-            try:
-                one = host_sample(logits[index: index + 1], [row], [requests[index]])
-            except Exception as exc:  # noqa: BLE001 (reported to the request, which fails alone)
-                failed[index] = f"sampling this request failed ({type(exc).__name__}: {exc})"
-                token_ids.append(UNRESOLVED_TOKEN)
-                logprobs.append(None)
-                continue
-            token_ids.append(one.token_ids[0])
-            logprobs.append(one.logprobs[0])
-        return ResolvedSample(HostSample(token_ids, logprobs), failed=failed)
-
-    def _sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], requests: list[Request]) -> DeviceSample:
-        """The sampler's call, with the token bitmask of the constrained rows when there are any (a batch without
-        them makes the call it made before structured outputs existed: nothing is built)."""
-        mask = self.constraints.bitmask([r.request_id for r in requests]) if self.constraints else None
-        if mask is None:
-            return self.sampler.sample(logits, rows)
-        return self.sampler.sample(logits, rows, mask)
+        """The batch's next tokens (`k3core.step_sample`)."""
+        return sample_step(logits, requests, self.sampler, self.constraints, self.runner, self.llm.plan.is_single)
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict[int, float] | None) -> StepOutput:
         now = time.monotonic()
@@ -482,7 +416,8 @@ class Engine:
         output_text = self.output_texts[request.request_id]
         num_output = len(request.output_token_ids) - request.num_unresolved       # this token included
         new_text = output_text.push([token_id], may_stop=num_output >= request.params.min_tokens)
-        reason = self._finish_reason(request, token_id, output_text)
+        reason = finish_reason(request, token_id, output_text, self.eos_token_ids,
+                               self.config.max_position_embeddings)
         constraints = self.constraints
         if constraints is not None and request.request_id in constraints:
             if constraints.accept(request.request_id, token_id):
@@ -490,7 +425,7 @@ class Engine:
         if reason is not None:
             new_text += self._close_text(request)
             request.finish_reason = "stop" if output_text.stopped else reason
-            self._drop_unresolved(request)
+            drop_unresolved(request)
             self.scheduler.finish(request)
             self.sampler.remove_request(request.request_id)
             if constraints is not None:
@@ -502,7 +437,7 @@ class Engine:
         """Finish a max_tokens 0 request once its prompt has run: no token, finish_reason "length"."""
         request.first_token_time = time.monotonic()
         self._store_prompt_logprobs(request)
-        self._drop_unresolved(request)
+        drop_unresolved(request)
         request.finish_reason = "length"
         self._close_text(request)
         self.scheduler.finish(request)
@@ -513,28 +448,6 @@ class Engine:
         if self.prompt_logprob_store is not None and request.prompt_logprobs is not None:
             self.prompt_logprob_store.put(request.prompt_token_ids, request.prompt_logprobs,
                                           request.params.prompt_logprobs)
-
-    @staticmethod
-    def _drop_unresolved(request: Request) -> None:
-        """Forget tokens a step still in flight samples for a request that ends now (their work is wasted)."""
-        if request.num_unresolved:
-            del request.output_token_ids[-request.num_unresolved:]
-            request.num_unresolved = 0
-
-    def _finish_reason(self, request: Request, token_id: int, output_text: OutputText) -> str | None:
-        params = request.params
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if output_text.stopped:
-            return "stop"
-        resolved = len(request.output_token_ids) - request.num_unresolved
-        if resolved >= params.max_tokens:
-            return "length"
-        if request.num_tokens - request.num_unresolved >= self.config.max_position_embeddings:
-            return "length"
-        return None
 
     def _close_text(self, request: Request) -> str:
         """Set the request's final text; returns what its output text still held back (nothing after a stop)."""

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from k3core.sched.request import Request, Status
 from k3core.sched.scheduler import ScheduledChunk
+from k3core.step_output import drop_unresolved
 
 
 class Quarantine:
@@ -56,7 +57,7 @@ def roll_back(engine, requests: Iterable[Request]) -> list[Request]:
     rolled = []
     unique = {id(r): r for r in requests if not r.is_finished}
     for request in sorted(unique.values(), key=lambda r: r.arrival, reverse=True):   # earliest ends up in front
-        engine._drop_unresolved(request)
+        drop_unresolved(request)
         if request.status == Status.RUNNING:
             engine.scheduler.retract(request)
         engine.sampler.recount(request.request_id, request.prompt_token_ids, request.output_token_ids)

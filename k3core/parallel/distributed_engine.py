@@ -7,8 +7,8 @@ same order and step with it. Sampled tokens come from the last stage (ModelRunne
 states stay identical everywhere.
 
 Failures: a request whose sampling raises on the sampler rank fails alone, on every rank at the same step (the
-sampler rank broadcasts the failure with the tokens: `Engine._sample_rows_apart`). Any other failure inside a
-step leaves the ranks out of step (a peer waits in a collective that never comes): the leader raises
+sampler rank broadcasts the failure with the tokens: `k3core.step_sample.sample_rows_apart`). Any other failure
+inside a step leaves the ranks out of step (a peer waits in a collective that never comes): the leader raises
 `RanksOutOfStep`, which ends its engine loop, and a follower exits (k3core.serve.ranks reports why); the server
 then answers 503 and exits non-zero rather than serving from a broken world.
 """
