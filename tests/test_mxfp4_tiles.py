@@ -68,10 +68,9 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     """On sm_90 the tile of a bf16 call is MXFP4_TILES_NVIDIA's for its row class; an fp16 call gets the same tile
     without half_math and asm_decode (both decode to bf16, and the op refuses them for fp16 x), and that tile
     passes the op's own checks for fp16. The gluon decode tile is bf16 and whole 256-column steps only: fp16 calls
-    and other widths get the swap decode tile instead."""
+    and other widths get the class's swap tile (`SWAP_TILES_NVIDIA`) instead."""
     from kernels.triton.tuning_ops import AssumedDevice, assume_device
     cpu = torch.device("cpu")
-    swap = moe_mxfp4.SWAP_DECODE_TILE_NVIDIA
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
         for pairs, row_class in ((16, "decode_thin"), (64, "decode_thin"), (112, "decode_thin"), (113, "decode"),
                                  (16 * 16, "decode"), (16 * 32, "decode"),
@@ -81,6 +80,8 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
             assert moe_mxfp4.mxfp4_row_class(pairs, 112) == row_class
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16) == want
             assert moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072)) == want
+            swap = moe_mxfp4.SWAP_TILES_NVIDIA[row_class]
+            assert swap.swap and not (swap.gluon or swap.wgmma)
             narrow = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.bfloat16, (3584, 3072 + 32))
             assert narrow == (swap if want.gluon else want)
             fp16 = moe_mxfp4.mxfp4_tile(cpu, pairs, 112, 2, torch.float16)
@@ -90,6 +91,25 @@ def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options()
     assert moe_mxfp4.MXFP4_TILES_NVIDIA["decode"].gluon
     # the cases the fp16 rule exists for
     assert any(t.half_math or t.asm_decode for t in moe_mxfp4.MXFP4_TILES_NVIDIA.values())
+
+
+def test_a_wgmma_class_entry_gives_way_to_the_swap_tile_where_it_cannot_run(monkeypatch):
+    """With a wgmma tile as the prefill entry (what adopting one after a GPU sweep looks like), bf16 calls whose D and
+    I are whole 128-column steps take it; other widths (K3's D with I = 3072 + 32, or D = 3584 + 64) and fp16 calls
+    take the class's swap tile, fp16 without its bf16-only options."""
+    from kernels.triton.tuning_ops import AssumedDevice, assume_device
+    cpu = torch.device("cpu")
+    swap = moe_mxfp4.SWAP_TILES_NVIDIA["prefill"]
+    wgmma = moe_mxfp4.Mxfp4Tile(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=3, swap=True,
+                                asm_decode=True, presplit=True, stacked=True, wgmma=True)
+    monkeypatch.setitem(moe_mxfp4.MXFP4_TILES_NVIDIA, "prefill", wgmma)
+    with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
+        assert moe_mxfp4.mxfp4_tile(cpu, 16384, 112, 2, torch.bfloat16, (3584, 3072)) == wgmma
+        assert moe_mxfp4.mxfp4_tile(cpu, 16384, 112, 2, torch.bfloat16, (384, 128)) == wgmma
+        assert moe_mxfp4.mxfp4_tile(cpu, 16384, 112, 2, torch.bfloat16, (3584, 3072 + 32)) == swap
+        assert moe_mxfp4.mxfp4_tile(cpu, 16384, 112, 2, torch.bfloat16, (3584 + 64, 3072)) == swap
+        fp16 = moe_mxfp4.mxfp4_tile(cpu, 16384, 112, 2, torch.float16, (3584, 3072))
+        assert fp16 == swap._replace(half_math=False, asm_decode=False)
 
 
 def test_sm90_tail_tile_only_past_one_whole_block_an_expert(monkeypatch):

@@ -38,7 +38,7 @@ from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kerne
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are part of this module's API)
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
-    MXFP4_TILES_NVIDIA, SCALE_BLOCK, SWAP_DECODE_TILE_NVIDIA, Mxfp4Tile, check_tile, mxfp4_row_class,
+    MXFP4_TILES_NVIDIA, SCALE_BLOCK, SWAP_DECODE_TILE_NVIDIA, SWAP_TILES_NVIDIA, Mxfp4Tile, check_tile, mxfp4_row_class,
     mxfp4_tail_tile, mxfp4_tile)
 from kernels.triton.moe_mxfp4_xwt import _down_kernel, _gate_up_kernel
 from kernels.triton.tuning_ops import target

@@ -119,9 +119,11 @@ SWAP_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_war
 GLUON_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=8, block_n=64, block_k=256, num_warps=4, num_stages=1, swap=True,
                                      split_x=False, scaled=False, half_math=False, gemv=False, prefetch=False,
                                      asm_decode=True, natural_k=False, presplit=True, stacked=True, gluon=True)
-MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72),
-    "decode": GLUON_DECODE_TILE_NVIDIA,
+# The swap tile of each class: the class's tile where that is a swap tile, and what a gluon or wgmma entry gives way
+# to for a call it cannot take (not bf16, or D / I not whole K steps of its block_k).
+SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "decode_thin": SWAP_DECODE_TILE_NVIDIA,
+    "decode": SWAP_DECODE_TILE_NVIDIA,
     "decode_batch": SWAP_DECODE_TILE_NVIDIA,
     "mid": Mxfp4Tile(block_m=32, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                      scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
@@ -129,6 +131,13 @@ MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "prefill": Mxfp4Tile(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=2, swap=True, split_x=False,
                          scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
                          presplit=True, stacked=True, tail_m=32),
+}
+MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72),
+    "decode": GLUON_DECODE_TILE_NVIDIA,
+    "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
+    "mid": SWAP_TILES_NVIDIA["mid"],
+    "prefill": SWAP_TILES_NVIDIA["prefill"],
 }
 
 
@@ -169,10 +178,11 @@ def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
                dtype: torch.dtype | None = None, dims: tuple[int, int] | None = None) -> Mxfp4Tile:
     """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
-    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`, and the swap
-    decode tile for a gluon one where `dims` = (D, I) are not multiples of 256 or the dtype is not bf16); elsewhere rows
-    per block from the mean rows per expert (decode: one or two rows, so the dot's smallest 16; prefill: taller
-    blocks so that each weight tile is dequantised for more rows), not yet tuned on a GPU. float32 activations
+    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`, and the class's
+    swap tile, `SWAP_TILES_NVIDIA`, for a gluon or wgmma one where `dims` = (D, I) are not whole K steps or the
+    dtype is not bf16); elsewhere rows per block from the mean rows per expert (decode: one or two rows, so the
+    dot's smallest 16; prefill: taller blocks so that each weight tile is dequantised for more rows), not yet tuned
+    on a GPU. float32 activations
     stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
     on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
     rows_per_expert = num_pairs / max(1, num_experts)
@@ -181,9 +191,11 @@ def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_s
     if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
-        tile = MXFP4_TILES_NVIDIA[mxfp4_row_class(num_pairs, num_experts)]
-        if tile.gluon and (dtype not in (None, torch.bfloat16) or (dims is not None and any(d % 256 for d in dims))):
-            tile = SWAP_DECODE_TILE_NVIDIA                 # gluon: bf16 and whole 256-column steps only
+        row_class = mxfp4_row_class(num_pairs, num_experts)
+        tile = MXFP4_TILES_NVIDIA[row_class]
+        if (tile.gluon or tile.wgmma) and (dtype not in (None, torch.bfloat16) or (
+                dims is not None and any(d % tile.block_k for d in dims))):
+            tile = SWAP_TILES_NVIDIA[row_class]            # gluon / wgmma: bf16 and whole K steps only
         return tile if dtype in (None, torch.bfloat16) else tile._replace(half_math=False, asm_decode=False)
     block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 96 else 128
     if element_size > 2:
