@@ -110,7 +110,12 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # bytes of stack), 6 -> 7 programs an SM, and K3's one-token down grid (16 experts x 56 column blocks = 896
 # programs) fits one wave of 924. 6% less time at 1 token in both runs (2.37x / 2.23x the bf16 experts), +-1% at 4
 # and 8, 1-2.5% more at 16 and 32 (the spill), hence a class of its own.
-# Gluon runs only whole 256-column steps in bf16: other shapes and dtypes take the swap tile (`mxfp4_tile`).
+# wgmma tiles (`kernels.triton.moe_mxfp4_wgmma`, 3f0f6e4..76e2fb7): blocks of up to 256 rows, one decode of each
+# weight tile for all of them, the next step decoded under this step's wgmma. Compiled offline for sm_90 only; no GPU
+# was lent that session, so no class uses them yet: `python -m bench.moe_mxfp4_sweep --tiles
+# bench/sweeps/wgmma.json --tokens 64,256,512,1024` checks and times them against the entries below.
+# Gluon runs only whole 256-column steps in bf16 (wgmma: 128): other shapes and dtypes take the class's swap tile
+# (`SWAP_TILES_NVIDIA`, `mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
 # float32 decode.
 SWAP_DECODE_TILE_NVIDIA = Mxfp4Tile(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, swap=True,
