@@ -252,22 +252,33 @@ def _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta, linear_b
 
 
 @gluon.jit
+def _down_program(block_experts_ptr, hidden_dim):
+    """A down program's row block, column block (64 columns of D) and expert: one grid axis, column blocks fastest
+    (a row block's programs share its hidden in L2)."""
+    col_blocks = gl.cdiv(hidden_dim, 64)
+    block = gl.program_id(0) // col_blocks
+    return block, gl.program_id(0) % col_blocks, gl.load(block_experts_ptr + block)
+
+
+@gluon.jit
+def _down_rows(col_block):
+    """The 64 weight rows (columns of D) of a down program."""
+    return col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
+
+
+@gluon.jit
 def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`)."""
-    col_blocks = gl.cdiv(hidden_dim, 64)
-    block = gl.program_id(0) // col_blocks
-    col_block = gl.program_id(0) % col_blocks
-    expert = gl.load(block_experts_ptr + block)
+    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
     if expert >= num_experts:
         return
-    w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows, 128, _bytes_layout(),
-                                             _scale_layout())
+                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 128,
+                                             _bytes_layout(), _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)

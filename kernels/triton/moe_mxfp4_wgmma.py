@@ -33,8 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels.triton.moe_mxfp4_gluon import (_flat_layout, _glu_rows, _quad_decode, _slice, _stacked_rows,
-                                            _weight_pointers)
+from kernels.triton.moe_mxfp4_gluon import (_down_program, _down_rows, _flat_layout, _glu_rows, _quad_decode, _slice,
+                                            _stacked_rows, _weight_pointers)
 
 STEP_COLUMNS = 128                                # K columns a step: 64 bytes of a weight row
 STEP_BYTES: gl.constexpr = gl.constexpr(64)
@@ -247,16 +247,12 @@ def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows.
     One grid axis, column blocks fastest (a row block's programs share its hidden in L2)."""
-    col_blocks = gl.cdiv(hidden_dim, 64)
-    block = gl.program_id(0) // col_blocks
-    col_block = gl.program_id(0) % col_blocks
-    expert = gl.load(block_experts_ptr + block)
+    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
     if expert >= num_experts:
         return
-    w_rows = col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, w_rows, 64, _byte_copy_layout(),
-                                             _scale_layout())
+                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 64,
+                                             _byte_copy_layout(), _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
     row_ok = gl.load(sorted_pairs_ptr + rows) < num_pairs
     h_ptrs, h_mask = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, row_ok, BLOCK_M)
