@@ -48,6 +48,13 @@ def test_kappa_operands_give_the_product():
     torch.testing.assert_close(acc, w @ x.T)
 
 
+def test_kappa_columns_is_the_kappa_order_gather():
+    """`kappa_columns`' permuted view puts each step's columns where `kappa_order` says, on a non-contiguous input."""
+    x = torch.randn(7, 768, dtype=torch.float64)[:, :384]
+    want = x.reshape(7, 3, 128)[:, :, moe_mxfp4_wgmma.kappa_order()].reshape(7, 384)
+    assert torch.equal(moe_mxfp4_wgmma.kappa_columns(x), want)
+
+
 def test_kappa_columns_refuses_partial_steps():
     with pytest.raises(ValueError, match="multiple of 128"):
         moe_mxfp4_wgmma.kappa_columns(torch.zeros(2, 192))

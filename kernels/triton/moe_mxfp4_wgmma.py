@@ -49,12 +49,14 @@ def kappa_order(device: torch.device | None = None) -> torch.Tensor:
 
 
 def kappa_columns(t: torch.Tensor) -> torch.Tensor:
-    """[R, K] -> [R, K] with each 128 columns in the kernels' order (`kappa_order`); K a multiple of 128."""
+    """[R, K] -> [R, K] with each 128 columns in the kernels' order (`kappa_order`); K a multiple of 128. One copy
+    through a permuted view (no index tensor: the decode-sized calls run inside CUDA graphs)."""
     rows, num_k = t.shape
     if num_k % STEP_COLUMNS:
         raise ValueError(f"kappa_columns: K must be a multiple of {STEP_COLUMNS}, got {num_k}")
-    order = kappa_order(t.device)
-    return t.reshape(rows, num_k // STEP_COLUMNS, STEP_COLUMNS)[:, :, order].reshape(rows, num_k)
+    # column 2j + odd of a step, j = 16t + 4s + 2h + p -> position 64 odd + 16s + 8h + 2t + p
+    split = t.reshape(rows, num_k // STEP_COLUMNS, 4, 4, 2, 2, 2)              # [R, step, t, s, h, p, odd]
+    return split.permute(0, 1, 6, 3, 4, 2, 5).reshape(rows, num_k)            # [R, step, odd, s, h, t, p]
 
 
 @gluon.constexpr_function
