@@ -15,7 +15,7 @@ op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
 Printed last: per case the tiles by time with the speed-up over bf16 and the packed bytes' fraction of copy
 bandwidth, then per row class the tile with the best geometric-mean time over the class's cases, as a `paste:`
-line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json,
+line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4_tiles.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json,
 rewritten after every case so that a run cut short keeps what it finished.
 
 `--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name

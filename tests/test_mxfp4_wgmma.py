@@ -12,6 +12,10 @@ from kernels.triton.moe_mxfp4_tiles import Mxfp4Tile, check_tile
 from tests.test_offline_compile import _python
 
 
+# `_kappa`'s reshape / permute applied to the byte indices: BYTE_OF_KAPPA[kappa] is the byte j at dot position kappa
+BYTE_OF_KAPPA = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)
+
+
 def _kernel_kappa(j: torch.Tensor) -> torch.Tensor:
     """gate_up_wgmma_kernel's store: byte j = 16t + 4s + 2h + p -> dot position 16s + 8h + 2t + p (its formula)."""
     return (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
@@ -22,8 +26,7 @@ def test_kappa_order_is_the_operand_order():
     nibble, where j(kappa) is what `_kappa`'s reshape / permute puts at kappa."""
     order = moe_mxfp4_wgmma.kappa_order()
     assert sorted(order.tolist()) == list(range(128))
-    byte_of_kappa = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)   # _kappa on indices
-    assert torch.equal(order[:64], 2 * byte_of_kappa) and torch.equal(order[64:], 2 * byte_of_kappa + 1)
+    assert torch.equal(order[:64], 2 * BYTE_OF_KAPPA) and torch.equal(order[64:], 2 * BYTE_OF_KAPPA + 1)
     # the store's inverse: column c of a step goes to position c % 2 * 64 + kappa(c // 2)
     cols = torch.arange(128)
     places = cols % 2 * 64 + _kernel_kappa(cols // 2)
@@ -38,11 +41,10 @@ def test_kappa_operands_give_the_product():
     w = torch.randn(rows, num_k, dtype=torch.float64)
     x = torch.randn(tokens, num_k, dtype=torch.float64)
     xk = moe_mxfp4_wgmma.kappa_columns(x)
-    byte_of_kappa = torch.arange(64).reshape(4, 4, 2, 2).permute(1, 2, 0, 3).reshape(64)
     acc = torch.zeros(rows, tokens, dtype=torch.float64)
     for step in range(num_k // 128):
         cols = w[:, step * 128:(step + 1) * 128]
-        low, high = cols[:, 0::2][:, byte_of_kappa], cols[:, 1::2][:, byte_of_kappa]
+        low, high = cols[:, 0::2][:, BYTE_OF_KAPPA], cols[:, 1::2][:, BYTE_OF_KAPPA]
         xs = xk[:, step * 128:(step + 1) * 128]
         acc += low @ xs[:, :64].T + high @ xs[:, 64:].T
     torch.testing.assert_close(acc, w @ x.T)

@@ -92,7 +92,8 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # (acc5f3c) the op bench has it at 1.03x and 0.79x. Lost: 128 + 32 at K step 128 needs 254 registers and, at 3
 # stages, 131 KiB of shared memory (one program an SM: 0.44x at 512 tokens); at K step 256, or 128 + 64, the
 # offline sm_90 compile spills; 8 warps over 128 stacked rows 0.87x / 0.67x. A rerun prints a `paste:` line per
-# class; replace the entry with it.
+# class: a swap winner replaces the class's `SWAP_TILES_NVIDIA` entry, a gluon or wgmma winner its
+# `MXFP4_TILES_NVIDIA` entry (the swap entry stays as its fallback).
 # Register caps (maxnreg) at 752d497 / b3efdb0 (moe-mxfp4-registers*-nvidia-h200.*): the decode tiles at 128
 # registers (4 programs an SM instead of 3, no spill) were 1-2% faster in all 8 decode cases of two runs; mid at 168
 # (3 programs instead of 2; 40 bytes of stack) 1.30x and 1.33x the bf16 experts at 256 tokens against 1.14x and 1.17x
