@@ -41,7 +41,7 @@ from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are 
     MXFP4_TILES_NVIDIA, SCALE_BLOCK, SWAP_DECODE_TILE_NVIDIA, SWAP_TILES_NVIDIA, Mxfp4Tile, check_tile, mxfp4_row_class,
     mxfp4_tail_tile, mxfp4_tile)
 from kernels.triton.moe_mxfp4_xwt import _down_kernel, _gate_up_kernel
-from kernels.triton.tuning_ops import target
+from kernels.triton.tuning_ops import nvidia_capability, target
 
 PAIR_BUFFER_BYTES = 1 << 30
 
@@ -115,6 +115,27 @@ def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
                          f"{tile.block_k}, got D={hidden_dim}, I={inter_dim}; use a swap tile")
 
 
+def _check_stream(tile: Mxfp4Tile, counters: torch.Tensor | None) -> None:
+    """A stream tile's gate_up and down run as a pair over one counter buffer; other tiles take none."""
+    if tile.stream and counters is None:
+        raise ValueError("moe_experts_mxfp4: a stream tile runs gate_up and down as a pair over one counter buffer "
+                         "(`_stream_counters`); call moe_experts_mxfp4, or pass the same counters to both")
+    if counters is not None and not tile.stream:
+        raise ValueError(f"moe_experts_mxfp4: counters are a stream tile's, got {tile}")
+
+
+def _stream_counters(tile: Mxfp4Tile, device: torch.device, num_blocks: int) -> torch.Tensor | None:
+    """The streamed pair's counters (`moe_mxfp4_stream.stream_counters`) for a stream tile, else None. The pair's
+    down kernel is a programmatic dependent launch: NVIDIA sm_90+."""
+    if not tile.stream:
+        return None
+    if target(device) != "nvidia" or nvidia_capability(device)[0] < 9:
+        raise ValueError(f"moe_experts_mxfp4: a stream tile needs programmatic dependent launch (NVIDIA sm_90+), "
+                         f"this device is {target(device)}; use a tile with stream=False")
+    from kernels.triton.moe_mxfp4_stream import stream_counters  # noqa: PLC0415 (Gluon: NVIDIA only)
+    return stream_counters(device, num_blocks)
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """The packed codes [E, N, K/2] as int32 words [E, N, K/8] (the gemv kernels' loads), without a copy."""
     if packed.storage_offset() % 4 or any(stride % 4 for stride in packed.stride()[:-1]):
@@ -142,10 +163,12 @@ def _hidden_width(inter_dim: int, tile: Mxfp4Tile) -> int:
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
             activation: str, situ_beta: float | None, situ_linear_beta: float | None,
-            tile: Mxfp4Tile, fold: bool = False) -> torch.Tensor:
+            tile: Mxfp4Tile, fold: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten).
-    `fold`: every scale byte is <= FOLD_MAX_SCALE (`scale_fold`)."""
+    `fold`: every scale byte is <= FOLD_MAX_SCALE (`scale_fold`). `counters`: a stream tile's, shared with the
+    `down` call that must follow (`_stream_counters`)."""
     check_tile(tile)
+    _check_stream(tile, counters)
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
                          "tile with scaled=False")
@@ -173,8 +196,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
-                      (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      fold, _registers(tile, x.device))
+                      num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m, fold,
+                      counters, _registers(tile, x.device))
         return hidden
     if tile.gemv:
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -198,10 +221,13 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
 
 
 def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, blocks: ExpertBlocks,
-         tile: Mxfp4Tile, fold: bool = False, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+         tile: Mxfp4Tile, fold: bool = False, rows_out: torch.Tensor | None = None,
+         counters: torch.Tensor | None = None) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten), into
-    `rows_out` when given (a contiguous float32 view of that shape)."""
+    `rows_out` when given (a contiguous float32 view of that shape). `counters`: a stream tile's, the ones the
+    `gate_up` call just before counted into."""
     check_tile(tile)
+    _check_stream(tile, counters)
     _check_dtype(tile, hidden)
     num_experts, hidden_dim, half_inter = w2_packed.shape
     inter_dim = 2 * half_inter
@@ -227,7 +253,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, _registers(tile, hidden.device))
+                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, counters,
+                   _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](
@@ -292,8 +319,10 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
 
 def _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta,
                  fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None) -> torch.Tensor:
-    hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold)
-    return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out)
+    counters = _stream_counters(tile, x.device, blocks.block_experts.numel())
+    hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold,
+                     counters)
+    return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out, counters)
 
 
 def _two_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,

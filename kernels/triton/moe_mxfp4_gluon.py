@@ -23,17 +23,21 @@ scale groups (16 bytes = 32 columns each).
 
 Decode: four bytes per PTX call (`_QUAD_DECODE`), two byte permutes, the sign and magnitude bits placed as in
 `moe_mxfp4_operands._pair_decode_ptx` (bf16 code * 2^-126, exact), one bf16x2 multiply by 2^126 x the scale
-(SCALE_FOLD) or two. Scope: bf16 x, K and I multiples of 256, 4 warps over 64 weight rows (gate/up: 32 columns of
-I, gate rows over up rows), BLOCK_M 8 or 16 token rows a block (the MMA's n). Never run in the interpreter: Gluon
-has none, so CI compiles these kernels offline and the GPU sweep checks them against float64 before timing.
+(SCALE_FOLD) or two. With STREAM the two kernels run as a streamed pair, down waiting per row block instead of at
+the kernel boundary (`kernels.triton.moe_mxfp4_stream`). Scope: bf16 x, K and I multiples of 256, 4 warps over 64
+weight rows (gate/up: 32 columns of I, gate rows over up rows), BLOCK_M 8 or 16 token rows a block (the MMA's n).
+Never run in the interpreter: Gluon has none, so CI compiles these kernels offline and the GPU sweep checks them
+against float64 before timing.
 """
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.triton.activation import glu_f32
+from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _release_count
 
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
 
@@ -206,46 +210,57 @@ def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, BLOCK_M: gl.constexp
 def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
-                         linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
-                         BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
+                         linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
+                         HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr,
+                         STREAM: gl.constexpr):
     """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
-    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256)."""
-    block = gl.program_id(0)
+    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
+    STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
+    may launch once every program has started, and each program counts itself done in its block's counter."""
+    if STREAM:
+        _asm("griddepcontrol.launch_dependents;")
+        block = gl.program_id(1)
+        col = gl.program_id(0)
+    else:
+        block = gl.program_id(0)
+        col = gl.program_id(1)
     expert = gl.load(block_experts_ptr + block)
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim), 128,
-                                             _bytes_layout(), _scale_layout())
+                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim, col),
+                                             128, _bytes_layout(), _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
-    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta,
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, col, num_pairs, inter_dim, beta,
                                                  linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+    if STREAM:
+        _release_count(counters_ptr + 2 * block)
 
 
 @gluon.jit
-def _stacked_rows(inter_dim):
-    """The 64 weight rows of a gate/up program (32 columns of I from program_id(1)): gate rows over up rows."""
+def _stacked_rows(inter_dim, col):
+    """The 64 weight rows of gate/up program `col` (columns 32 col .. 32 col + 31 of I): gate rows over up rows."""
     stack = gl.arange(0, 64, layout=_flat_layout())
-    cols_of_stack = gl.program_id(1) * 32 + stack % 32
+    cols_of_stack = col * 32 + stack % 32
     return gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)
 
 
 @gluon.jit
-def _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
+def _glu_rows(acc, sorted_pairs_ptr, block, col, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
               IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
-    """A gate/up program's product [64, BLOCK_M] (`_stacked_rows`, any layout) -> the GLU in float32 [32 columns,
+    """Gate/up program `col`'s product [64, BLOCK_M] (`_stacked_rows`, any layout) -> the GLU in float32 [32 columns,
     BLOCK_M rows], its columns of I, its sorted rows and the store mask (real rows, columns within I)."""
     pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
     gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
     hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    cols = gl.program_id(1) * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
+    cols = col * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
     return hidden, cols, out_rows, out_mask
@@ -267,15 +282,11 @@ def _down_rows(col_block):
 
 
 @gluon.jit
-def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
-                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
-    hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`)."""
-    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
-    if expert >= num_experts:
-        return
+def _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
+                packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride, rows_out_row_stride,
+                num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M: gl.constexpr,
+                SCALE_FOLD: gl.constexpr):
+    """A down program's work: (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows."""
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, _down_rows(col_block), 128,
                                              _bytes_layout(), _scale_layout())
@@ -289,14 +300,46 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
 
 
+@gluon.jit
+def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
+                      hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                      scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
+                      counters_ptr, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr):
+    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
+    hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
+    STREAM (`moe_mxfp4_stream`): launched while gate/up still runs, each program waits for its own row block's
+    gate/up programs only, and each block's last program zeroes the block's counters for the next call."""
+    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
+    if STREAM:
+        if expert < num_experts:
+            _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, 32))
+            _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, 64))
+            _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
+                        packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride,
+                        rows_out_row_stride, num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M,
+                        SCALE_FOLD)
+    else:
+        if expert >= num_experts:
+            return
+        _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
+                    packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride, rows_out_row_stride,
+                    num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M, SCALE_FOLD)
 
-def gate_up_gluon(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int, fold: bool,
-                  options: dict) -> None:
-    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`)."""
-    gate_up_gluon_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
-                               BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
+
+def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
+                  block_m: int, fold: bool, counters: torch.Tensor | None, options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`); `counters`: the streamed
+    pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel."""
+    grid = (inter_dim // 32, num_blocks) if counters is not None else (num_blocks, inter_dim // 32)
+    gate_up_gluon_kernel[grid](*args, counters, TOP_K=top_k, IS_SITU=activation == "situ",
+                               HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, SCALE_FOLD=fold,
+                               STREAM=counters is not None, num_warps=4, **options)
 
 
-def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, options: dict) -> None:
-    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`)."""
-    down_gluon_kernel[grid](*args, BLOCK_M=block_m, SCALE_FOLD=fold, num_warps=4, **options)
+def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, counters: torch.Tensor | None,
+               options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`); with `counters` (the same
+    buffer gate/up counted into) a programmatic dependent launch that waits per row block."""
+    stream = {"launch_pdl": True} if counters is not None else {}
+    down_gluon_kernel[grid](*args, counters, BLOCK_M=block_m, SCALE_FOLD=fold, STREAM=counters is not None,
+                            num_warps=4, **stream, **options)

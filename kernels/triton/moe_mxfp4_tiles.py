@@ -59,6 +59,10 @@ class Mxfp4Tile(NamedTuple):
     #                                block_n 64, block_k 128, 4 warps, num_stages 3-5 (stages of weight bytes and x
     #                                rows in shared memory, within 224 KiB), K and I multiples of 128; x and hidden
     #                                in `moe_mxfp4_wgmma.kappa_columns` order. Not yet run on a GPU
+    stream: bool = False           # gluon only, NVIDIA sm_90+: gate/up and down as a streamed pair (gate/up's
+    #                                programs block-major, down launched by programmatic dependent launch and each
+    #                                program waiting on its own row block's counter, not the whole gate/up grid:
+    #                                `kernels.triton.moe_mxfp4_stream`). Not yet run on a GPU
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
@@ -114,7 +118,12 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # wgmma tiles (`kernels.triton.moe_mxfp4_wgmma`, 3f0f6e4..76e2fb7): blocks of up to 256 rows, one decode of each
 # weight tile for all of them, the next step decoded under this step's wgmma. Compiled offline for sm_90 only; no GPU
 # was lent that session, so no class uses them yet: `python -m bench.moe_mxfp4_sweep --tiles
-# bench/sweeps/wgmma.json --tokens 64,256,512,1024` checks and times them against the entries below.
+# bench/sweeps/wgmma.json --tokens 32,64,256,512,1024` checks and times them against the entries below.
+# stream (`kernels.triton.moe_mxfp4_stream`): the decode classes' Gluon pair with down waiting per row block instead
+# of at the kernel boundary (the one-token lever the last PDL run left). Compiled offline for sm_90 only (72
+# registers, 7 programs an SM, as decode_thin's); `--tiles bench/sweeps/stream.json --tokens 1,4,16,32` times it
+# against decode_thin's and decode's tiles, in a process of its own (a broken protocol traps, which ends the
+# process's CUDA context).
 # Gluon runs only whole 256-column steps in bf16 (wgmma: 128): other shapes and dtypes take the class's swap tile
 # (`SWAP_TILES_NVIDIA`, `mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
@@ -233,6 +242,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
                         or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
         raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
+    if tile.stream and not tile.gluon:
+        raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
+                         f"gluon=True, got {tile}")
     if tile.wgmma:
         if (tile.gluon or not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked)
                 or tile.block_m not in (16, 32, 64, 128, 256) or tile.block_n != 64 or tile.block_k != 128

@@ -226,15 +226,16 @@ def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim), 64,
-                                             _byte_copy_layout(), _scale_layout())
+                                             scale_expert_stride, scale_row_stride,
+                                             _stacked_rows(inter_dim, gl.program_id(1)), 64, _byte_copy_layout(),
+                                             _scale_layout())
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_ok = pairs < num_pairs                                     # padding rows hold num_pairs
     x_ptrs, x_mask = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, row_ok, BLOCK_M)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, hidden_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
-    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, num_pairs, inter_dim, beta,
-                                                 linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, gl.program_id(1), num_pairs,
+                                                 inter_dim, beta, linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     j = cols % 128 // 2                                            # kappa_order's inverse: column -> position
     kappa = (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
     places = cols // 128 * 128 + cols % 2 * 64 + kappa

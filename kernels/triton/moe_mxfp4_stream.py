@@ -1,0 +1,96 @@
+"""The streamed gate/up -> down pair of the Gluon MXFP4 decode kernels (a gluon tile's `stream` option; STREAM in
+`kernels.triton.moe_mxfp4_gluon`): the counters and the synchronisation the two kernels share.
+
+Why. At one token K3's gate/up grid is 1536 programs over 924 slots (1.66 waves) and the down kernel waits for
+all of it, so the last partial wave of gate/up and the first of down each run the SMs part-empty
+(bench/results/ncu-moe_mxfp4-gluon-386fccf.txt: gate/up at 60% of DRAM peak, down at 47.5%). Launching down
+with programmatic dependent launch alone (waiting for the whole of gate/up with griddepcontrol.wait) bought at
+most 2%. Here each down program waits only for its own row block's gate/up programs, so down's work fills the
+slots gate/up's tail leaves.
+
+Order. gate/up's grid is (column, block): CUDA starts programs x-fastest (the usual order; the protocol does not
+rely on it), so each block's 96 programs run together and blocks finish one after another. Each gate/up program
+stores its hidden, meets the CTA barrier, and one thread adds 1 to its block's counter with release semantics at GPU
+scope; a down program's thread polls its block's counter with acquire semantics until it reaches I / 32, and the
+barrier that hands the value to the CTA orders every thread's hidden loads after it (the PTX memory model's release
+/ acquire through a barrier, as CUTLASS's split-K semaphore uses).
+
+No deadlock. The down kernel is launched with programmatic dependent launch, so none of its programs starts
+before every gate/up program has started (each signals launch_dependents first): every program a down program
+can wait for is already running and waits for nothing. Without PDL the launch is an ordinary stream-ordered
+one and every count is complete before down starts. A poll that outlives `SPIN_LIMIT` naps (about a second)
+traps, so a broken invariant fails the launch loudly rather than hanging or reading a half-written hidden.
+
+Reset. A block has two counters: its finished gate/up programs and its counted-out down programs. Each down
+program of a busy block counts itself out after its wait (acquire-release), and the block's last one zeroes
+both: every down program of the block had seen the full gate/up count before counting out, and no gate/up
+program of this call is left to count. Idle blocks are never counted. The next call's gate/up is an ordinary
+launch after this kernel, so it sees the zeros. The counters (`stream_counters`) are one buffer per device and
+stream, zeroed once when made. No counter is shared by the whole grid: an address takes one block's I / 32
+increments or D / 64 count-outs, and the polls of that block's down programs.
+
+Never run on a GPU yet (written in a session with no device): the sweep (bench/sweeps/stream.json) checks it
+against float64, the extreme scales and a repeated call before timing it.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)  # polls of ~0.25 us naps: about a second, far past gate/up's life
+
+
+@gluon.jit
+def _asm(ASM: gl.constexpr):
+    """One PTX statement with no operands (griddepcontrol, nanosleep, trap), kept in place (not pure)."""
+    gl.inline_asm_elementwise(ASM + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release_count(counter_ptr):
+    """Add 1 to the counter once for the CTA, after every thread's stores (release at GPU scope)."""
+    gl.thread_barrier()
+    gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _await_count(counter_ptr, need):
+    """Wait until the counter reaches `need` (acquire at GPU scope: what each increment released is visible)."""
+    seen = gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while seen < need:
+        _asm("nanosleep.u32 256;")
+        polls += 1
+        if polls > SPIN_LIMIT:
+            _asm("trap;")
+        seen = gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _count_out(block_counters_ptr, col_blocks):
+    """Count this down program out of its block (the second counter of the pair); the block's last one zeroes
+    both."""
+    finished = gl.atomic_add(block_counters_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == col_blocks - 1:
+        gl.store(block_counters_ptr, 0)
+        gl.store(block_counters_ptr + 1, 0)
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
+    """int32 [2 n >= 2 num_blocks]: per row block, its finished gate/up programs and its counted-out down programs;
+    one buffer per device and stream (a graph capture's stream gets its own), zero between streamed pairs
+    (this module's notes)."""
+    if device.type != "cuda":                     # an offline capture (backends.offline): recorded, never run
+        return torch.zeros(2 * num_blocks, dtype=torch.int32, device=device)
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < 2 * num_blocks:
+        counters = torch.zeros(max(8192, 2 * num_blocks), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+

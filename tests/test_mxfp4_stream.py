@@ -1,0 +1,113 @@
+"""The streamed gate/up -> down pair of the Gluon MXFP4 decode kernels (a gluon tile's `stream` option,
+`kernels.triton.moe_mxfp4_gluon`: per-row-block counters instead of a kernel boundary).
+
+Gluon has no interpreter, so no CPU test runs the pair. What runs here: the tile and call rules (a stream tile is a
+gluon one, its two GEMMs share one counter buffer, and it needs programmatic dependent launch: NVIDIA sm_90+), and an
+offline sm_90 compile of both kernels through the op at K3's one-token shape that reads the launch and the PTX: the
+gate/up grid is block-major, only the down kernel is a programmatic dependent launch, the release / acquire pairs
+and the bounded poll are where the protocol needs them, and the plain pair carries none of it. The GPU sweep
+checks the pair against float64, the extreme scales and a repeated call before timing it (bench/sweeps/stream.json).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.triton import moe_mxfp4
+from kernels.triton.tuning_ops import AssumedDevice, assume_device
+
+STREAM_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=True)
+
+
+def test_stream_is_an_option_of_the_gluon_tiles_only():
+    moe_mxfp4.check_tile(STREAM_TILE)
+    with pytest.raises(ValueError, match="stream is an option of the Gluon mma.sync"):
+        moe_mxfp4.check_tile(moe_mxfp4.SWAP_TILES_NVIDIA["decode"]._replace(stream=True))
+
+
+def test_the_two_gemms_of_a_stream_tile_share_one_counter_buffer():
+    """gate_up or down alone with a stream tile would leave (or wait for) counts nobody makes: refused by name."""
+    with pytest.raises(ValueError, match="runs gate_up and down as a pair"):
+        moe_mxfp4._check_stream(STREAM_TILE, None)
+    with pytest.raises(ValueError, match="counters are a stream tile's"):
+        moe_mxfp4._check_stream(STREAM_TILE._replace(stream=False), torch.zeros(8, dtype=torch.int32))
+    moe_mxfp4._check_stream(STREAM_TILE, torch.zeros(8, dtype=torch.int32))
+    assert moe_mxfp4._stream_counters(STREAM_TILE._replace(stream=False), torch.device("cpu"), 4) is None
+
+
+@pytest.mark.parametrize("vendor, arch", [("nvidia", "sm_80"), ("amd", "gfx942"), (None, None)],
+                         ids=["sm_80", "gfx942", "interpreter"])
+def test_a_stream_tile_is_refused_without_programmatic_dependent_launch(vendor, arch):
+    """The down kernel's launch is a programmatic dependent launch: sm_90+ only; elsewhere the call says why."""
+    device = torch.device("cpu")
+    if vendor is None:
+        with pytest.raises(ValueError, match=r"programmatic dependent launch \(NVIDIA sm_90\+\)"):
+            moe_mxfp4._stream_counters(STREAM_TILE, device, 4)
+        return
+    with assume_device(AssumedDevice(vendor, arch, 132)):
+        with pytest.raises(ValueError, match=r"programmatic dependent launch \(NVIDIA sm_90\+\)"):
+            moe_mxfp4._stream_counters(STREAM_TILE, device, 4)
+
+
+def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
+    """K3's one token (16 row blocks, I = 3072, D = 3584), offline sm_90, in a subprocess (conftest.py's
+    TRITON_INTERPRET=1 gives interpreter stand-ins). Streamed: gate/up's grid is (I / 32, blocks), so each block's
+    programs start together; only down is launched with PDL; both keep decode_thin's 72 registers and 7 programs
+    an SM; gate/up signals launch_dependents and, after a CTA barrier, makes one release increment; down polls with
+    an acquire load between naps, traps past the bound, and counts out with an acquire-release add. Plain (the
+    committed decode_thin tile): the grid (blocks, I / 32), no PDL and none of those instructions."""
+    root = Path(__file__).resolve().parents[1]
+    code = textwrap.dedent("""
+        import re, torch, triton
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
+        target = offline_target("sm_90")
+        E, D, I, K = 112, 3584, 3072, 16
+        u8 = dict(dtype=torch.uint8)
+        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
+        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
+        marks = ("griddepcontrol.launch_dependents", "atom.global.gpu.release.add", "ld.global.gpu.acquire",
+                 "nanosleep", "trap;", "atom.global.gpu.acq_rel.add")
+        for stream in (True, False):
+            with capture(target) as recorder:
+                moe_experts_mxfp4(torch.empty(1, D, dtype=torch.bfloat16), *w13, *w2, torch.full((1, K), 1 / K),
+                                  torch.arange(K).view(1, K), "situ", 4.0, 25.0, max_scale=120,
+                                  tile=MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=stream))
+            for _, launch in recorder.launches:
+                if "gluon" not in launch.kernel:
+                    continue
+                c = compile_launch(launch, target)
+                options = {k: v for k, v in launch.options.items() if v is not None}
+                ptx = triton.compile(GluonASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs),
+                                     target=target.triton_target, options=options).asm["ptx"]
+                found = ",".join(m for m in marks if m in ptx) or "-"
+                barrier_first = ptx.rfind("bar.sync", 0, ptx.find("atom.global.gpu.release")) >= 0
+                print(stream, launch.kernel, c.error or "ok", c.resources.registers, c.resources.occupancy,
+                      "x".join(map(str, launch.grid)), launch.options.get("launch_pdl"), found, barrier_first)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in result.stdout.splitlines()}
+    assert sorted(rows) == [("False", "down_gluon_kernel"), ("False", "gate_up_gluon_kernel"),
+                            ("True", "down_gluon_kernel"), ("True", "gate_up_gluon_kernel")], result.stdout
+    for (stream, kernel), (status, registers, occupancy, grid, pdl, found, barrier_first) in rows.items():
+        assert status == "ok" and int(registers) <= 72 and int(occupancy) >= 7, (stream, kernel, rows)
+        gate_up = kernel.startswith("gate_up")
+        if stream == "False":
+            assert found == "-" and pdl == "False", (kernel, found, pdl)
+            assert grid == ("16x96" if gate_up else "896"), (kernel, grid)
+        elif gate_up:
+            assert (grid, pdl, barrier_first) == ("96x16", "False", "True"), (grid, pdl, barrier_first)
+            assert found == "griddepcontrol.launch_dependents,atom.global.gpu.release.add", found
+        else:
+            assert (grid, pdl) == ("896", "True"), (grid, pdl)
+            assert found == "ld.global.gpu.acquire,nanosleep,trap;,atom.global.gpu.acq_rel.add", found
