@@ -8,8 +8,8 @@ op holding their exact dequantised values) are built once; for each case (decode
 at 256, 512 and 1024 tokens = 4096 (the mid class), 8192 and 16384 routed rows) every tile of its row class
 (`moe_mxfp4.MXFP4_ROW_CLASSES`) runs the whole `moe_experts_mxfp4` op with that tile and is checked against the
 float64 reference (`kernels.torch.moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the
-case's own inputs, and once on the conformance case's extreme scales (`ExtremesCheck`); a tile that fails either
-check (or does not compile or launch) is never timed. Checked tiles are timed as the bench times them (`bench.
+case's own inputs, called a second time for the same output bit for bit, and run once on the conformance case's
+extreme scales (`ExtremesCheck`); a tile that fails a check (or does not compile or launch) is never timed. Checked tiles are timed as the bench times them (`bench.
 timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
 op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
@@ -227,7 +227,11 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
                             max_scale=bound)
         started = time.perf_counter()
         try:
-            error = _relative_error(call(), want)
+            first = call()
+            error = _relative_error(first, want)
+            # bit for bit again: deterministic, and nothing a call leaves behind (a stream tile's counters) changes
+            # the next one
+            repeated = torch.equal(call(), first)
             extreme = extremes[candidate.tile.gluon].worst(mxfp4_op, candidate)
         except Exception as exc:  # noqa: BLE001  (a tile that cannot compile or launch is a finding, not a crash)
             results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
@@ -238,6 +242,11 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
             results.append(Result(label, row_class, tokens, list(tile), "check failed", error, None, None, None,
                                   f"error {error:.2e} > {tolerance:.0e}: not timed", **extra))
             print(f"  {name}: CHECK FAILED ({error:.2e}), not timed", flush=True)
+            continue
+        if not repeated:
+            results.append(Result(label, row_class, tokens, list(tile), "repeat differs", error, None, None, None,
+                                  "a second call's output differs from the first: not timed", **extra))
+            print(f"  {name}: REPEAT DIFFERS, not timed", flush=True)
             continue
         if not extreme <= 1.0:
             results.append(Result(label, row_class, tokens, list(tile), "extremes failed", error, None, None, None,

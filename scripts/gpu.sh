@@ -18,9 +18,10 @@
 #   bash scripts/gpu.sh parallel [ARGS]       python -m bench.parallel_bench on 2 GPUs (--sections, --plans)
 #   bash scripts/gpu.sh tune prefill|decode|moe [ARGS]   python -m tools.tune.tune_<what>: checked config sweeps
 #   bash scripts/gpu.sh tune ncu [TARGET ...] Nsight Compute on one call per kernel (tools.tune.ncu_targets)
-#   bash scripts/gpu.sh mxfp4 [ARGS]          the moe_experts_mxfp4 conformance cases (bf16, fp32), then
-#                                             python -m bench.moe_mxfp4_sweep: every MXFP4 expert tile checked and
-#                                             timed at K3's shapes against the bf16 experts (--phases decode,prefill)
+#   bash scripts/gpu.sh mxfp4 [ARGS]          the moe_experts_mxfp4 conformance cases (bf16, fp32; CONFORMANCE=0
+#                                             skips them), then python -m bench.moe_mxfp4_sweep: every MXFP4 expert
+#                                             tile checked and timed at K3's shapes against the bf16 experts
+#                                             (--phases decode,prefill, --tiles FILE, --tokens N,...)
 #
 # Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
 # the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands
@@ -147,11 +148,13 @@ parallel() {
 }
 
 mxfp4() {
-    run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4.log "$PY" -m conformance --backend cuda \
-        --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4"
+    if [ "${CONFORMANCE:-1}" != 0 ]; then
+        run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4.log "$PY" -m conformance --backend cuda \
+            --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4"
+    fi
     run "${LIMIT:-330}" mxfp4_sweep.log "$PY" -m bench.moe_mxfp4_sweep --out "$OUT" "$@"
     [ "$DRY_RUN" = 1 ] && return 0
-    tail -n 6 "$OUT/conformance-moe_experts_mxfp4.log" | cut -c1-220
+    [ "${CONFORMANCE:-1}" != 0 ] && tail -n 6 "$OUT/conformance-moe_experts_mxfp4.log" | cut -c1-220
     grep -E "Traceback|Error:|CHECK FAILED|\): error " "$OUT/mxfp4_sweep.log" | head -n 10 | cut -c1-220
     sed -n '/^sweep took/,$p' "$OUT/mxfp4_sweep.log" | cut -c1-220
 }

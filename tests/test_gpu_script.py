@@ -28,11 +28,12 @@ SUBCOMMANDS = [
     ["tune", "decode"],
     ["tune", "moe"],
     ["tune", "ncu", "kda_decode_64"],
+    ["mxfp4", "--tiles", "bench/sweeps/stream.json", "--tokens", "1,4"],
 ]
 
 
-def _dry_run(args: list[str], tmp_path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable)
+def _dry_run(args: list[str], tmp_path, **extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable, **extra)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
 
@@ -73,3 +74,11 @@ def test_tuning_tools_run_as_modules_of_tools_tune():
     for name in ("tune_prefill", "tune_decode", "tune_decode_report", "tune_moe", "ncu_targets", "kernel_profile"):
         assert importlib.util.find_spec(f"tools.tune.{name}") is not None
         assert not (ROOT / "bench" / f"{name}.py").exists(), f"bench/{name}.py is back beside tools/tune/{name}.py"
+
+
+def test_the_mxfp4_subcommand_skips_its_conformance_when_asked(tmp_path):
+    """A second sweep in one device call (another --tiles file) need not rerun the conformance cases."""
+    args = ["mxfp4", "--tiles", "bench/sweeps/stream.json"]
+    assert "-m conformance" in _dry_run(args, tmp_path).stdout
+    skipped = _dry_run(args, tmp_path, CONFORMANCE="0").stdout
+    assert "-m conformance" not in skipped and "bench.moe_mxfp4_sweep" in skipped and "stream.json" in skipped
