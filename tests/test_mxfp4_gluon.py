@@ -9,12 +9,8 @@ the extreme scales before timing them (bench/results/moe-mxfp4-gluon-nvidia-h200
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +19,7 @@ from k3core.model.mxfp4 import _code_table, _scale_table
 from kernels.triton import moe_mxfp4
 from tests.test_mxfp4_asm_decode import FOLD_SCALES, _all_scale_bits, _float_to_bf16, run_ptx
 from tests.test_mxfp4_ops import _random_experts
+from tests.test_offline_compile import K3_PACKED_EXPERTS, _python
 
 gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
 GLUON_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode"]
@@ -86,16 +83,10 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     through it), and fits at least 6 programs of 4 warps an SM with 8-row blocks (the committed tile; 3 for the
     swap tile it replaced), 4 with 16, and 7 for decode_thin's 72-register cap (K3's one-token down grid, 896
     programs, in one wave of 132 x 7)."""
-    root = Path(__file__).resolve().parents[1]
-    code = textwrap.dedent("""
-        import torch
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
-        E, D, I, K = 112, 3584, 3072, 16
-        u8 = dict(dtype=torch.uint8)
-        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
-        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
         for name, block_m, tokens, max_scale in (("decode", 8, 1, 120), ("decode", 8, 16, 255),
                                                  ("decode", 16, 4, 120), ("decode_thin", 8, 1, 120)):
             with capture(target) as recorder:
@@ -108,10 +99,7 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
                     c = compile_launch(launch, target)
                     r = c.resources
                     print(name, block_m, launch.kernel, c.error or "ok", r.shared_bytes, r.occupancy)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=600)
+    """))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 8, lines

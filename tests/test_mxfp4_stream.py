@@ -10,17 +10,14 @@ checks the pair against float64, the extreme scales and a repeated call before t
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.triton import moe_mxfp4
 from kernels.triton.tuning_ops import AssumedDevice, assume_device
+from tests.test_offline_compile import K3_PACKED_EXPERTS, _python
 
 STREAM_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=True)
 
@@ -62,17 +59,12 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
     an SM; gate/up signals launch_dependents and, after a CTA barrier, makes one release increment; down polls with
     an acquire load between naps, traps past the bound, and counts out with an acquire-release add. Plain (the
     committed decode_thin tile): the grid (blocks, I / 32), no PDL and none of those instructions."""
-    root = Path(__file__).resolve().parents[1]
-    code = textwrap.dedent("""
-        import re, torch, triton
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        import triton
         from triton.experimental.gluon._runtime import GluonASTSource
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
-        E, D, I, K = 112, 3584, 3072, 16
-        u8 = dict(dtype=torch.uint8)
-        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
-        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
         marks = ("griddepcontrol.launch_dependents", "atom.global.gpu.release.add", "ld.global.gpu.acquire",
                  "nanosleep", "trap;", "atom.global.gpu.acq_rel.add")
         for stream in (True, False):
@@ -91,10 +83,7 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
                 barrier_first = ptx.rfind("bar.sync", 0, ptx.find("atom.global.gpu.release")) >= 0
                 print(stream, launch.kernel, c.error or "ok", c.resources.registers, c.resources.occupancy,
                       "x".join(map(str, launch.grid)), launch.options.get("launch_pdl"), found, barrier_first)
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=900)
+    """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in result.stdout.splitlines()}
     assert sorted(rows) == [("False", "down_gluon_kernel"), ("False", "gate_up_gluon_kernel"),

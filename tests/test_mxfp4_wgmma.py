@@ -4,12 +4,14 @@ float64 on the GPU (bench.moe_mxfp4_sweep). What can go wrong without a GPU is t
 thread loads, the x order `kappa_columns` writes and the hidden order gate/up's store writes must agree."""
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
 from kernels.triton import moe_mxfp4, moe_mxfp4_wgmma
 from kernels.triton.moe_mxfp4_tiles import Mxfp4Tile, check_tile
-from tests.test_offline_compile import _python
+from tests.test_offline_compile import K3_PACKED_EXPERTS, _python
 
 
 # `_kappa`'s reshape / permute applied to the byte indices: BYTE_OF_KAPPA[kappa] is the byte j at dot position kappa
@@ -86,15 +88,11 @@ def test_wgmma_kernels_compile_for_sm90():
     (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every launch
     compiles (the layouts' `assert_trivial` conversions hold), 16- to 128-row blocks with no local-memory stack
     and at least 2 programs an SM (so one program's decode can run under the other's MMA), 256-row blocks at 1."""
-    result = _python("""
-        import torch
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
         target = offline_target("sm_90")
-        E, D, I, K, T = 112, 3584, 3072, 16, 1024
-        u8 = dict(dtype=torch.uint8)
-        w13 = (torch.empty(E, 2 * I, D // 2, **u8), torch.empty(E, 2 * I, D // 32, **u8))
-        w2 = (torch.empty(E, D, I // 2, **u8), torch.empty(E, D, I // 32, **u8))
+        T = 1024
         base = Mxfp4Tile(64, 64, 128, 4, 4, swap=True, asm_decode=True, presplit=True, stacked=True, wgmma=True)
         for block_m, stages, max_scale in ((16, 4, 120), (64, 4, 120), (128, 3, 120), (128, 3, 255), (256, 3, 120)):
             with capture(target) as recorder:
@@ -107,7 +105,7 @@ def test_wgmma_kernels_compile_for_sm90():
                     c = compile_launch(launch, target)
                     r = c.resources
                     print(block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.occupancy)
-    """, timeout=900)
+    """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 10, lines

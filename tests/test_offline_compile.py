@@ -14,6 +14,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# K3's per-GPU experts for an offline compile of the MXFP4 op (packed codes and scales; never read, nothing runs),
+# as a prelude for `_python`: E local experts of latent D and width I, top-K
+K3_PACKED_EXPERTS = textwrap.dedent("""
+    import torch
+    E, D, I, K = 112, 3584, 3072, 16
+    w13 = (torch.empty(E, 2 * I, D // 2, dtype=torch.uint8), torch.empty(E, 2 * I, D // 32, dtype=torch.uint8))
+    w2 = (torch.empty(E, D, I // 2, dtype=torch.uint8), torch.empty(E, D, I // 32, dtype=torch.uint8))
+""")
+
+
 def _python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
