@@ -9,8 +9,10 @@ holding their exact dequantised values, so both compute the same function and di
 Every row checks both ops against the float64 reference (`kernels.torch.moe_mxfp4`, on up to 64 tokens) first; a
 row whose check fails prints no speed-up. Reported: time per call, bytes read (the experts the routing touches:
 packed codes + scales, or bf16, plus activations in and out), their rate as a fraction of the measured copy
-bandwidth, and the speed-up of MXFP4 over bf16. Results go to `--out` as moe-mxfp4-<device>.json and .md with
-device, versions, commit and date.
+bandwidth, and the speed-up of MXFP4 over bf16. On a GPU each decode row also ranks both ops' kernels by time
+(torch.profiler) against the graph-timed call: the launches and the GPU's idle share of a call, which the per-kernel
+Nsight profiles do not show. Results go to `--out` as moe-mxfp4-<device>.json and .md with device, versions,
+commit and date.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from bench.context import BenchContext, load, make_context, require_interpreter, results_dir
 from bench.timing import measure_ceilings
 from k3core.model.mxfp4 import max_scale_of
+from tools.tune.kernel_profile import markdown as kernel_profile_markdown
 
 K3_SHAPE = dict(experts=112, latent=3584, width=3072, top_k=16)
 SMOKE_SHAPE = dict(experts=8, latent=64, width=64, top_k=4)
@@ -56,6 +59,10 @@ class Row:
     speedup: float | None       # bf16_ms / mxfp4_ms; None when the correctness check failed
     timing: str
     tile: str = ""              # the MXFP4 launch shape the op chose (`moe_mxfp4.mxfp4_tile`), its set options
+    # decode on a GPU: each op's kernels ranked by time under torch.profiler against its graph-timed call
+    # (`tools.tune.kernel_profile`: the busy share says how much of the call the GPU sat between kernels), or
+    # why no profile was taken
+    profiles: dict | None = None
 
 
 def expert_weights(ctx: BenchContext, shape: dict) -> dict:
@@ -128,10 +135,24 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
     def fraction(num_bytes: int, ms: float) -> float:
         return num_bytes / (ms * 1e-3) / (copy_tbps * 1e12)
 
+    profiles = None
+    if phase == "decode" and ctx.device.type == "cuda":
+        profiles = {name: _profile(fn, ctx.device, timing.ms)
+                    for name, fn, timing in (("mxfp4", mxfp4, mxfp4_timing), ("bf16", bf16, bf16_timing))}
     return Row(phase, tokens, tokens * shape["top_k"], touched, mxfp4_error, bf16_error, tolerance, correct,
                mxfp4_timing.ms, bf16_timing.ms, mxfp4_bytes, bf16_bytes, fraction(mxfp4_bytes, mxfp4_timing.ms),
                fraction(bf16_bytes, bf16_timing.ms), bf16_timing.ms / mxfp4_timing.ms if correct else None,
-               mxfp4_timing.method, _tile_label(x, tokens * shape["top_k"], shape["experts"], bound))
+               mxfp4_timing.method, _tile_label(x, tokens * shape["top_k"], shape["experts"], bound), profiles)
+
+
+def _profile(fn, device: torch.device, call_ms: float) -> dict:
+    """One op's kernels over 20 eager calls, ranked, against its graph-timed call; a profiler failure is recorded,
+    not raised (the timings above stand without it)."""
+    profile_kernels = load("tools.tune.kernel_profile:profile_kernels")
+    try:
+        return profile_kernels(fn, device, steps=20, step_ms=call_ms, top=8)
+    except Exception as exc:  # noqa: BLE001  (no CUPTI, say: the row keeps its timings)
+        return {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
 
 
 def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None = None) -> str:
@@ -172,6 +193,11 @@ def _markdown(meta: dict, rows: list[Row]) -> str:
                      f"{r.bf16_ms:.4f} | {speedup} | {r.mxfp4_copy_fraction:.1%} | {r.bf16_copy_fraction:.1%} | "
                      f"{'ok' if r.correct else 'FAILED'} ({r.mxfp4_error:.1e} / {r.bf16_error:.1e}, "
                      f"{r.tolerance:.0e}) | {r.tile} |")
+    for r in rows:
+        for name, profile in (r.profiles or {}).items():
+            title = f"{r.phase} {r.tokens} token(s), {name}"
+            lines += [""] + ([f"{title}: no profile ({profile['error']})."] if "error" in profile else
+                             kernel_profile_markdown(profile, title))
     if meta["smoke"]:
         lines += ["", "Smoke run on the CPU under the Triton interpreter: the times are not measurements."]
     return "\n".join(lines) + "\n"

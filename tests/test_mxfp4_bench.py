@@ -36,3 +36,20 @@ def test_a_failing_check_prints_no_speedup(tmp_path, monkeypatch):
     rows = moe_mxfp4_bench.main(["--smoke", "--out", str(tmp_path)])
     assert len(rows) == 1 and not rows[0].correct and rows[0].speedup is None
     assert "refused: check failed" in (tmp_path / "moe-mxfp4-smoke.md").read_text()
+
+
+def test_decode_rows_print_each_ops_kernel_ranking_or_why_there_is_none():
+    """On a GPU each decode row carries both ops' kernel rankings (tools.tune.kernel_profile.rank's shape, against
+    the graph-timed call); a profiler that cannot run leaves its reason, and the CPU never profiles."""
+    assert "error" in moe_mxfp4_bench._profile(lambda: None, torch.device("cpu"), 1.0)
+    rank = pytest.importorskip("tools.tune.kernel_profile").rank
+    mxfp4 = rank([("gate_up_gluon_kernel", 60.0), ("down_gluon_kernel", 40.0), ("_group_pairs_kernel", 5.0)], 1,
+                 0.119)
+    row = moe_mxfp4_bench.Row("decode", 1, 16, 16, 1e-3, 1e-3, 2e-2, True, 0.119, 0.28, 1, 4, 0.5, 0.9, 2.37,
+                              "graph", "8x64x256", {"mxfp4": mxfp4, "bf16": {"error": "RuntimeError: no CUPTI"}})
+    text = moe_mxfp4_bench._markdown(dict(device="gpu", commit="c", date="d", torch="t", triton="tr", shape={},
+                                          copy_tbps=4.0, smoke=False), [row])
+    assert "decode 1 token(s), mxfp4: 105 us of kernels and 3 launches per step; kernels busy 88% of the 0.119 ms" \
+        in text
+    assert "| `gate_up_gluon_kernel` |" in text and "decode 1 token(s), bf16: no profile (RuntimeError: no CUPTI)." \
+        in text
