@@ -100,3 +100,19 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
         else:
             assert (grid, pdl) == ("896", "True"), (grid, pdl)
             assert found == "ld.global.gpu.acquire,nanosleep,trap;,atom.global.gpu.acq_rel.add", found
+
+
+def test_counter_invariant_names_what_a_pair_left_behind(monkeypatch):
+    """`check_invariants` (run by the sweep after a stream tile's calls) passes on zeroed counters and names the
+    non-zero ones otherwise; a call with more row blocks than the grid's y axis holds is refused."""
+    stream = pytest.importorskip("kernels.triton.moe_mxfp4_stream")
+    cpu = torch.device("cpu")
+    counters = torch.zeros(16, dtype=torch.int32)
+    monkeypatch.setattr(stream, "_COUNTERS", {(str(cpu), 0x7): counters})
+    stream.check_invariants(cpu)
+    counters[5] = 56                                   # block 2's down programs counted out, never reset
+    with pytest.raises(AssertionError, match=r"stream 0x7 on cpu left non-zero after a streamed pair, at \[5\]"):
+        stream.check_invariants(cpu)
+    stream.check_invariants(torch.device("cuda", 0))   # another device's buffers are not this one's
+    with pytest.raises(ValueError, match="at most 65535"):
+        stream.stream_counters(cpu, 65536)

@@ -78,12 +78,27 @@ def _count_out(block_counters_ptr, col_blocks):
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
+MAX_BLOCKS = 65535                                # CUDA's grid y limit
+
+
+def check_invariants(device: torch.device) -> None:
+    """Every counter buffer of `device` is zero (the state each streamed pair must leave; syncs with the device).
+    The sweep calls it after a stream tile's calls, so a reset that misses fails there rather than in a later
+    call's wait."""
+    for (where, stream), counters in _COUNTERS.items():
+        if where == str(device) and bool(counters.any()):
+            left = counters.nonzero().flatten()[:8].tolist()
+            raise AssertionError(f"moe_mxfp4_stream: counters of stream {stream:#x} on {where} left non-zero after a "
+                                 f"streamed pair, at {left} (even: gate/up counts, odd: down count-outs)")
 
 
 def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
     """int32 [2 n >= 2 num_blocks]: per row block, its finished gate/up programs and its counted-out down programs;
     one buffer per device and stream (a graph capture's stream gets its own), zero between streamed pairs
     (this module's notes)."""
+    if num_blocks > MAX_BLOCKS:
+        raise ValueError(f"moe_experts_mxfp4: a stream tile's gate/up grid has the row blocks on its y axis (at most "
+                         f"{MAX_BLOCKS}); this call has {num_blocks}: use a tile with stream=False")
     if device.type != "cuda":                     # an offline capture (backends.offline): recorded, never run
         return torch.zeros(2 * num_blocks, dtype=torch.int32, device=device)
     key = (str(device), torch.cuda.current_stream(device).cuda_stream)
