@@ -94,8 +94,9 @@ def check_invariants(device: torch.device) -> None:
 
 def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
     """int32 [2 n >= 2 num_blocks]: per row block, its finished gate/up programs and its counted-out down programs;
-    one buffer per device and stream (a graph capture's stream gets its own), zero between streamed pairs
-    (this module's notes)."""
+    one buffer per device and stream, zero between streamed pairs (this module's notes). A graph capture's stream
+    gets its own, which every graph captured on that stream bakes in: two such graphs must not replay at once (the
+    engine replays one graph a step on one stream)."""
     if num_blocks > MAX_BLOCKS:
         raise ValueError(f"moe_experts_mxfp4: a stream tile's gate/up grid has the row blocks on its y axis (at most "
                          f"{MAX_BLOCKS}); this call has {num_blocks}: use a tile with stream=False")
