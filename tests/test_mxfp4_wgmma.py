@@ -69,9 +69,11 @@ def test_wgmma_tile_rules():
                      presplit=True, stacked=True, wgmma=True)
     check_tile(good)
     check_tile(good._replace(block_m=256))                      # 3 x (4 + 64) KiB = 204 KiB
+    check_tile(good._replace(block_m=64, tail_m=32))            # 96 rows: one decode of each weight tile for both
     for bad in (good._replace(block_m=192), good._replace(block_m=8), good._replace(block_k=256),
                 good._replace(num_stages=2), good._replace(num_stages=6), good._replace(block_m=256, num_stages=4),
-                good._replace(gluon=True), good._replace(tail_m=32), good._replace(stacked=False)):
+                good._replace(block_m=256, tail_m=32),          # 3 x (4 + 72) KiB > 224 KiB
+                good._replace(gluon=True), good._replace(stacked=False)):
         with pytest.raises(ValueError, match="wgmma tile"):
             check_tile(bad)
 
@@ -86,33 +88,35 @@ def test_wgmma_tile_needs_whole_steps():
 def test_wgmma_kernels_compile_for_sm90():
     """Both kernels through the op at K3's per-GPU widths and 1024 tokens (16K routed rows), folded and exact scales
     (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every launch
-    compiles (the layouts' `assert_trivial` conversions hold), 16- to 128-row blocks with no local-memory stack
-    and at least 2 programs an SM (so one program's decode can run under the other's MMA), 256-row blocks at 1."""
+    compiles (the layouts' `assert_trivial` conversions hold, the tail wgmma's operand included), 16- to 128-row
+    blocks and 64 + 32 with no local-memory stack and at least 2 programs an SM (so one program's decode can run
+    under the other's MMA), 256-row blocks at 1."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import Mxfp4Tile, moe_experts_mxfp4
         target = offline_target("sm_90")
         T = 1024
         base = Mxfp4Tile(64, 64, 128, 4, 4, swap=True, asm_decode=True, presplit=True, stacked=True, wgmma=True)
-        for block_m, stages, max_scale in ((16, 4, 120), (64, 4, 120), (128, 3, 120), (128, 3, 255), (256, 3, 120)):
+        for block_m, tail_m, stages, max_scale in ((16, 0, 4, 120), (64, 0, 4, 120), (128, 0, 3, 120),
+                                                   (128, 0, 3, 255), (256, 0, 3, 120), (64, 32, 3, 120)):
             with capture(target) as recorder:
                 ids = torch.arange(T * K).view(T, K) % E
                 moe_experts_mxfp4(torch.empty(T, D, dtype=torch.bfloat16), *w13, *w2, torch.full((T, K), 1 / K),
                                   ids, "situ", 4.0, 25.0, max_scale=max_scale,
-                                  tile=base._replace(block_m=block_m, num_stages=stages))
+                                  tile=base._replace(block_m=block_m, tail_m=tail_m, num_stages=stages))
             for _, launch in recorder.launches:
                 if "wgmma" in launch.kernel:
                     c = compile_launch(launch, target)
                     r = c.resources
-                    print(block_m, launch.kernel, c.error or "ok", r.scratch_bytes, r.occupancy)
+                    print(f"{block_m}+{tail_m}", launch.kernel, c.error or "ok", r.scratch_bytes, r.occupancy)
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 10, lines
+    assert len(lines) == 12, lines
     for line in lines:
         block_m, kernel, status, stack, occupancy = line.split()
         assert status == "ok", line
-        if block_m != "256":
+        if block_m != "256+0":
             assert stack == "0" and int(occupancy) >= 2, line
         else:
             assert int(occupancy) >= 1, line

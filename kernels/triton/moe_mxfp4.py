@@ -187,7 +187,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         gate_up_wgmma(_gate_up_args(kappa_columns(x), w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim,
                                     inter_dim, situ_beta, situ_linear_beta),
                       (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      tile.num_stages, fold, _registers(tile, x.device))
+                      tile.tail_m, tile.num_stages, fold, _registers(tile, x.device))
         return hidden
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
@@ -246,7 +246,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_wgmma import down_wgmma  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_wgmma(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, tile.num_stages, fold,
+                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, tile.tail_m, tile.num_stages, fold,
                    _registers(tile, hidden.device))
         return rows_out
     if tile.gluon:

@@ -235,8 +235,8 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
-    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, col, num_pairs, inter_dim, beta,
-                                                 linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block * BLOCK_M, col, num_pairs, inter_dim,
+                                                 beta, linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
@@ -253,15 +253,16 @@ def _stacked_rows(inter_dim, col):
 
 
 @gluon.jit
-def _glu_rows(acc, sorted_pairs_ptr, block, col, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
+def _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
               IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
-    """Gate/up program `col`'s product [64, BLOCK_M] (`_stacked_rows`, any layout) -> the GLU in float32 [32 columns,
-    BLOCK_M rows], its columns of I, its sorted rows and the store mask (real rows, columns within I)."""
+    """Gate/up program `col`'s product [64, BLOCK_M] (`_stacked_rows`, any layout) over sorted rows row0.. -> the
+    GLU in float32 [32 columns, BLOCK_M rows], its columns of I, its sorted rows and the store mask (real rows,
+    columns within I)."""
     pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
     gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
     hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
     cols = col * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
-    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
+    out_rows = row0 + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
     return hidden, cols, out_rows, out_mask
 

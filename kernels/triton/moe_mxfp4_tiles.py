@@ -39,11 +39,12 @@ class Mxfp4Tile(NamedTuple):
     stacked: bool = False          # swap only: a gate/up program covers block_n / 2 columns of I, its weight tile
     #                                their gate rows over their up rows: one dot per half-K step (half the decoded
     #                                tiles held at once); the down kernel ignores it
-    tail_m: int = 0                # swap only: each block is block_m + tail_m rows of one expert and one program
+    tail_m: int = 0                # swap and wgmma: each block is block_m + tail_m rows of one expert and one program
     #                                runs the K loop over both parts, each decoded weight tile feeding a block_m-row
     #                                and a tail_m-row dot (an expert of 90 rows in a 64 + 32 block: one decode, not
     #                                a 64-row block's and a 32-row one's); a block whose tail rows are all padding
     #                                runs the block_m dot alone, one of at most tail_m rows the tail_m dot alone
+    #                                (the wgmma kernels run both parts every step: no skip)
     maxnreg: int = 0               # NVIDIA only: ptxas' register cap per thread for both kernels (0: its own
     #                                choice). The sm_90 decode tiles compile to 167 registers, 3 programs of 4
     #                                warps an SM; at 128 they fit 4 with no spill (offline sm_90 SASS)
@@ -55,7 +56,8 @@ class Mxfp4Tile(NamedTuple):
     wgmma: bool = False            # NVIDIA sm_90, bf16: both GEMMs as the Gluon wgmma kernels of
     #                                `kernels.triton.moe_mxfp4_wgmma` (the decoded weights as the register operand,
     #                                x rows in shared memory, the next step decoded under this step's MMA); needs
-    #                                swap, asm_decode, presplit and stacked, block_m 16-256 (the wgmma's n),
+    #                                swap, asm_decode, presplit and stacked, block_m 16-256 (the wgmma's n; with
+    #                                tail_m a second wgmma takes the tail rows from the same decoded registers),
     #                                block_n 64, block_k 128, 4 warps, num_stages 3-5 (stages of weight bytes and x
     #                                rows in shared memory, within 224 KiB), K and I multiples of 128; x and hidden
     #                                in `moe_mxfp4_wgmma.kappa_columns` order. Not yet run on a GPU
@@ -248,14 +250,15 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if tile.wgmma:
         if (tile.gluon or not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked)
                 or tile.block_m not in (16, 32, 64, 128, 256) or tile.block_n != 64 or tile.block_k != 128
-                or tile.num_warps != 4 or not 3 <= tile.num_stages <= 5 or tile.tail_m
-                or tile.num_stages * (4096 + 256 * tile.block_m) > 224 * 1024
+                or tile.num_warps != 4 or not 3 <= tile.num_stages <= 5
+                or tile.num_stages * (4096 + 256 * tile.height) > 224 * 1024
                 or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
                 or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a wgmma tile is the 4-warp Gluon wgmma kernel: swap, asm_decode, "
-                             f"presplit and stacked, block_m 16-256 (a power of two), block_n 64, block_k 128, 3-5 "
-                             f"stages within 224 KiB of shared memory (a stage: 4 KiB of weight bytes and block_m x "
-                             f"256 bytes of x), not gluon, no other option, got {tile}")
+                             f"presplit and stacked, block_m 16-256 (a power of two; tail_m 0 or as the swap "
+                             f"kernel's), block_n 64, block_k 128, 3-5 stages within 224 KiB of shared memory (a "
+                             f"stage: 4 KiB of weight bytes and (block_m + tail_m) x 256 bytes of x), not gluon, no "
+                             f"other option, got {tile}")
         return
     if tile.gluon:
         if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)

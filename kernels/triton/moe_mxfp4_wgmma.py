@@ -21,9 +21,16 @@ global memory a step ahead instead kept 32 single bytes a thread live across the
 instructions a step in the offline SASS).
 
 Decode: `moe_mxfp4_gluon`'s four-bytes-per-PTX-call decode (bf16 code * 2^-126, exact, then x 2^126 x the scale).
-Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256]. Never run in the interpreter (Gluon
-has none): CI compiles these kernels offline for sm_90, and the GPU sweep checks them against float64 first. Not
-yet run on a GPU (no device was lent in the session that wrote them).
+Block heights. Gluon's tensors are powers of two, so a block of 96 or 160 rows is BLOCK_M + TAIL_M: the tail rows
+get their own shared-memory stages and accumulator and a second pair of wgmma a step from the same decoded
+registers, so one decode serves both (K3's ~146 rows an expert at 16K routed rows: two 64 + 32 blocks decode each
+weight twice where 64-row blocks decode it three times; 73 at 8K: one block). Unlike the swap kernels' tail, both
+parts run every step (skipping an all-padding part would put an async wgmma under a runtime branch: not tried).
+
+Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256], tail_m 0 or a power of two in [16,
+block_m]. Never run in the interpreter (Gluon has none): CI compiles these kernels offline for sm_90, and the GPU
+sweep checks them against float64 first. Not yet run on a GPU (no device was lent in the sessions that wrote
+them).
 """
 from __future__ import annotations
 
@@ -132,61 +139,85 @@ def _decode(byte, scale, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
 
 
 @gluon.jit
-def _issue(byte_ptrs, x_ptrs, x_mask, step, byte_smem, even_smem, odd_smem):
-    """cp.async of step `step`'s packed weight bytes and the even and odd halves of the block's rows into one
-    stage, as one commit group."""
-    async_copy.async_copy_global_to_shared(byte_smem, byte_ptrs + step * STEP_BYTES)
-    async_copy.async_copy_global_to_shared(even_smem, x_ptrs + step * 128, mask=x_mask)
-    async_copy.async_copy_global_to_shared(odd_smem, x_ptrs + (step * 128 + 64), mask=x_mask)
+def _issue(byte_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, step, stage, byte_smem, even_smem, odd_smem, even_t, odd_t,
+           TAIL_M: gl.constexpr):
+    """cp.async of step `step`'s packed weight bytes and the even and odd halves of the block's rows (and of its
+    tail rows) into stage `stage`, as one commit group."""
+    async_copy.async_copy_global_to_shared(byte_smem.index(stage), byte_ptrs + step * STEP_BYTES)
+    async_copy.async_copy_global_to_shared(even_smem.index(stage), x_ptrs + step * 128, mask=x_mask)
+    async_copy.async_copy_global_to_shared(odd_smem.index(stage), x_ptrs + (step * 128 + 64), mask=x_mask)
+    if TAIL_M > 0:
+        async_copy.async_copy_global_to_shared(even_t.index(stage), t_ptrs + step * 128, mask=t_mask)
+        async_copy.async_copy_global_to_shared(odd_t.index(stage), t_ptrs + (step * 128 + 64), mask=t_mask)
 
 
 @gluon.jit
-def _step(acc, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask, byte_smem, even_smem, odd_smem,
-          BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """K step `step` (its decoded halves `low`, `high`; `scale`: step + 1's scale bytes) -> the accumulator, step +
-    1's decoded halves and step + 2's scale bytes (the last step decodes itself again, unused)."""
+def _step(acc, acc_t, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask,
+          byte_smem, even_smem, odd_smem, even_t, odd_t, BLOCK_M: gl.constexpr, TAIL_M: gl.constexpr,
+          STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """K step `step` (its decoded halves `low`, `high`; `scale`: step + 1's scale bytes) -> the accumulators (the
+    tail's: the same decoded halves against the tail rows), step + 1's decoded halves and step + 2's scale bytes
+    (the last step decodes itself again, unused)."""
     async_copy.wait_group(STAGES - 3)                              # step + 1: this thread's copies
     gl.thread_barrier()                                            # ... and everyone's; step - 1's MMA is done
     ahead = step + STAGES - 1
     if ahead < steps:
-        stage = ahead % STAGES
-        _issue(byte_ptrs, x_ptrs, x_mask, ahead, byte_smem.index(stage), even_smem.index(stage),
-               odd_smem.index(stage))
+        _issue(byte_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, ahead, ahead % STAGES, byte_smem, even_smem, odd_smem,
+               even_t, odd_t, TAIL_M)
     async_copy.commit_group()
     fence_async_shared()
     stage = step % STAGES
     acc = warpgroup_mma(low, even_smem.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(high, odd_smem.index(stage).permute((1, 0)), acc, is_async=True)
+    if TAIL_M > 0:
+        acc_t = warpgroup_mma(gl.convert_layout(low, _operand_layout(TAIL_M), assert_trivial=True),
+                              even_t.index(stage).permute((1, 0)), acc_t, is_async=True)
+        acc_t = warpgroup_mma(gl.convert_layout(high, _operand_layout(TAIL_M), assert_trivial=True),
+                              odd_t.index(stage).permute((1, 0)), acc_t, is_async=True)
     following = gl.minimum(step + 1, steps - 1)
     next_low, next_high = _decode(byte_smem.index(following % STAGES).load(_bytes_layout()), scale, BLOCK_M,
                                   SCALE_FOLD)
     next_scale = gl.load(scale_ptrs + gl.minimum(step + 2, steps - 1) * 4)
-    acc, low, high = warpgroup_mma_wait(0, deps=[acc, low, high])
-    return acc, next_low, next_high, next_scale
+    if TAIL_M > 0:
+        acc, acc_t, low, high = warpgroup_mma_wait(0, deps=[acc, acc_t, low, high])
+    else:
+        acc, low, high = warpgroup_mma_wait(0, deps=[acc, low, high])
+    return acc, acc_t, next_low, next_high, next_scale
 
 
 @gluon.jit
-def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, steps, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-            SCALE_FOLD: gl.constexpr):
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, steps, BLOCK_M: gl.constexpr,
+            TAIL_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps` K
-    steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row).
+    steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row), and with TAIL_M the [64,
+    TAIL_M] product with its tail rows (`t_ptrs`; else the second result is 0 and `t_ptrs` unused).
 
     Step i's packed bytes and x rows land in shared memory by cp.async, STAGES - 1 steps ahead of its MMA; its
     scale bytes come from global memory (two a thread, loaded a step ahead). Each step (`_step`) issues its two
-    wgmma (low nibbles against the even half, high against the odd) without waiting, decodes the next step from
-    shared memory while they run, then waits for them. The loop runs two steps an iteration, so that the decoded
-    operands alternate between two sets of registers: with one set a step, ptxas put the wait before the decode
-    (the decode writes the registers the running wgmma reads), so nothing overlapped; with two, part of the decode
-    overlaps in the offline sm_90 SASS (how much is ptxas' choice, step by step), and the loop is 265-295
-    instructions a step against 290-340. The barrier at the top of step i makes step i + 1's stage visible to
-    every warp and frees the stage of step i - 1, whose MMA every warp waited for, for step i + STAGES - 1's
-    copies (so STAGES >= 3: a stage each for steps i - 1, i and i + 1)."""
+    wgmma (low nibbles against the even half, high against the odd; two more against the tail rows, from the same
+    registers: one decode for block_m + tail_m rows) without waiting, decodes the next step from shared memory
+    while they run, then waits for them. The loop runs two steps an iteration, so that the decoded operands
+    alternate between two sets of registers: with one set a step, ptxas put the wait before the decode (the decode
+    writes the registers the running wgmma reads), so nothing overlapped; with two, part of the decode overlaps in
+    the offline sm_90 SASS (how much is ptxas' choice, step by step), and the loop is 265-295 instructions a step
+    against 290-340. The barrier at the top of step i makes step i + 1's stage visible to every warp and frees the
+    stage of step i - 1, whose MMA every warp waited for, for step i + STAGES - 1's copies (so STAGES >= 3: a stage
+    each for steps i - 1, i and i + 1)."""
     byte_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 64], _byte_smem_layout())
     even_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
     odd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], _x_smem_layout())
+    if TAIL_M > 0:
+        even_t = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TAIL_M, 64], _x_smem_layout())
+        odd_t = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TAIL_M, 64], _x_smem_layout())
+        acc_t = gl.zeros([64, TAIL_M], gl.float32, layout=_acc_layout(TAIL_M))
+    else:
+        even_t = even_smem                                         # unused
+        odd_t = odd_smem
+        acc_t = 0
     for s in gl.static_range(STAGES - 1):
         if s < steps:
-            _issue(byte_ptrs, x_ptrs, x_mask, s, byte_smem.index(s), even_smem.index(s), odd_smem.index(s))
+            _issue(byte_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, s, s, byte_smem, even_smem, odd_smem, even_t, odd_t,
+                   TAIL_M)
         async_copy.commit_group()
     async_copy.wait_group(STAGES - 2)                              # step 0
     gl.thread_barrier()
@@ -195,13 +226,15 @@ def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, steps, BLOCK_M: gl.constexpr,
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_acc_layout(BLOCK_M))
     for pair in range(steps // 2):
         for u in gl.static_range(2):
-            acc, low, high, scale = _step(acc, low, high, scale, 2 * pair + u, steps, byte_ptrs, scale_ptrs, x_ptrs,
-                                          x_mask, byte_smem, even_smem, odd_smem, BLOCK_M, STAGES, SCALE_FOLD)
+            acc, acc_t, low, high, scale = _step(acc, acc_t, low, high, scale, 2 * pair + u, steps, byte_ptrs,
+                                                 scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, byte_smem, even_smem,
+                                                 odd_smem, even_t, odd_t, BLOCK_M, TAIL_M, STAGES, SCALE_FOLD)
     if steps % 2:
-        acc, low, high, scale = _step(acc, low, high, scale, steps - 1, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask,
-                                      byte_smem, even_smem, odd_smem, BLOCK_M, STAGES, SCALE_FOLD)
+        acc, acc_t, low, high, scale = _step(acc, acc_t, low, high, scale, steps - 1, steps, byte_ptrs, scale_ptrs,
+                                             x_ptrs, x_mask, t_ptrs, t_mask, byte_smem, even_smem, odd_smem, even_t,
+                                             odd_t, BLOCK_M, TAIL_M, STAGES, SCALE_FOLD)
     async_copy.wait_group(0)
-    return acc
+    return acc, acc_t
 
 
 @gluon.jit
@@ -214,28 +247,28 @@ def _x_pointers(row_starts, row_ok, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
-                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                         scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
-                         linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
-                         BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
-    stored in x's dtype at the sorted rows, in `kappa_columns` order (what the down kernel reads)."""
-    block = gl.program_id(0)
-    expert = gl.load(block_experts_ptr + block)
-    if expert >= num_experts:
-        return
-    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride,
-                                             _stacked_rows(inter_dim, gl.program_id(1)), 64, _byte_copy_layout(),
-                                             _scale_layout())
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
-    pairs = gl.load(sorted_pairs_ptr + rows)
-    row_ok = pairs < num_pairs                                     # padding rows hold num_pairs
-    x_ptrs, x_mask = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, row_ok, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, hidden_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
-    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block, gl.program_id(1), num_pairs,
-                                                 inter_dim, beta, linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+def _token_rows(x_ptr, sorted_pairs_ptr, row0, num_pairs, x_row_stride, ROWS: gl.constexpr, TOP_K: gl.constexpr):
+    """x pointers [ROWS, 64] and copy mask of sorted rows row0.. (each row's token: its pair // TOP_K; padding
+    rows hold num_pairs)."""
+    pairs = gl.load(sorted_pairs_ptr + row0 + gl.arange(0, ROWS, layout=_flat_layout()))
+    return _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, pairs < num_pairs, ROWS)
+
+
+@gluon.jit
+def _sorted_rows(hidden_ptr, sorted_pairs_ptr, row0, num_pairs, hidden_row_stride, ROWS: gl.constexpr):
+    """hidden pointers [ROWS, 64] and copy mask of sorted rows row0.. (hidden is stored by sorted row)."""
+    rows = row0 + gl.arange(0, ROWS, layout=_flat_layout())
+    row_ok = gl.load(sorted_pairs_ptr + rows) < num_pairs
+    return _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, row_ok, ROWS)
+
+
+@gluon.jit
+def _store_hidden(acc, hidden_ptr, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, hidden_row_stride, beta,
+                  linear_beta, ROWS: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
+    """The GLU of gate/up program `col`'s product [64, ROWS] over sorted rows row0.., stored in hidden's dtype in
+    `kappa_columns` order (what the down kernel reads)."""
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
+                                                 linear_beta, ROWS, IS_SITU, HAS_LINEAR_CLIP)
     j = cols % 128 // 2                                            # kappa_order's inverse: column -> position
     kappa = (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
     places = cols // 128 * 128 + cols % 2 * 64 + kappa
@@ -244,36 +277,86 @@ def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 
 
 @gluon.jit
+def _store_rows(acc, rows_out_ptr, sorted_pairs_ptr, row0, col_block, num_pairs, hidden_dim, rows_out_row_stride,
+                ROWS: gl.constexpr):
+    """A down program's product [64 columns of D, ROWS] over sorted rows row0.., stored in float32."""
+    acc = gl.convert_layout(acc, _out_layout())
+    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _out_layout()))
+    out_rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _out_layout()))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
+    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
+
+
+@gluon.jit
+def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
+                         scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
+                         linear_beta, TOP_K: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, TAIL_M: gl.constexpr, STAGES: gl.constexpr,
+                         SCALE_FOLD: gl.constexpr):
+    """One (row block of BLOCK_M + TAIL_M rows, 32 columns of I): gate and up rows stacked in one 64-row weight
+    tile, the GLU in float32, stored in x's dtype at the sorted rows, in `kappa_columns` order."""
+    block = gl.program_id(0)
+    col = gl.program_id(1)
+    expert = gl.load(block_experts_ptr + block)
+    if expert >= num_experts:
+        return
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim, col), 64,
+                                             _byte_copy_layout(), _scale_layout())
+    row0 = block * (BLOCK_M + TAIL_M)
+    x_ptrs, x_mask = _token_rows(x_ptr, sorted_pairs_ptr, row0, num_pairs, x_row_stride, BLOCK_M, TOP_K)
+    if TAIL_M > 0:
+        t_ptrs, t_mask = _token_rows(x_ptr, sorted_pairs_ptr, row0 + BLOCK_M, num_pairs, x_row_stride, TAIL_M, TOP_K)
+    else:
+        t_ptrs, t_mask = x_ptrs, x_mask                            # unused
+    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, hidden_dim // 128, BLOCK_M, TAIL_M,
+                         STAGES, SCALE_FOLD)
+    _store_hidden(acc, hidden_ptr, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, hidden_row_stride, beta,
+                  linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+    if TAIL_M > 0:
+        _store_hidden(acc_t, hidden_ptr, sorted_pairs_ptr, row0 + BLOCK_M, col, num_pairs, inter_dim,
+                      hidden_row_stride, beta, linear_beta, TAIL_M, IS_SITU, HAS_LINEAR_CLIP)
+
+
+@gluon.jit
 def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows.
-    One grid axis, column blocks fastest (a row block's programs share its hidden in L2)."""
+                      BLOCK_M: gl.constexpr, TAIL_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """One (row block of BLOCK_M + TAIL_M rows, 64 columns of D): (W2 hidden^T) over I, stored in float32 at the
+    sorted rows. One grid axis, column blocks fastest (a row block's programs share its hidden in L2)."""
     block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, _down_rows(col_block), 64,
                                              _byte_copy_layout(), _scale_layout())
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_flat_layout())
-    row_ok = gl.load(sorted_pairs_ptr + rows) < num_pairs
-    h_ptrs, h_mask = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, row_ok, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, h_mask, inter_dim // 128, BLOCK_M, STAGES, SCALE_FOLD)
-    acc = gl.convert_layout(acc, _out_layout())
-    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _out_layout()))
-    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _out_layout()))
-    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
-    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
+    row0 = block * (BLOCK_M + TAIL_M)
+    h_ptrs, h_mask = _sorted_rows(hidden_ptr, sorted_pairs_ptr, row0, num_pairs, hidden_row_stride, BLOCK_M)
+    if TAIL_M > 0:
+        t_ptrs, t_mask = _sorted_rows(hidden_ptr, sorted_pairs_ptr, row0 + BLOCK_M, num_pairs, hidden_row_stride,
+                                      TAIL_M)
+    else:
+        t_ptrs, t_mask = h_ptrs, h_mask                            # unused
+    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, h_mask, t_ptrs, t_mask, inter_dim // 128, BLOCK_M, TAIL_M,
+                         STAGES, SCALE_FOLD)
+    _store_rows(acc, rows_out_ptr, sorted_pairs_ptr, row0, col_block, num_pairs, hidden_dim, rows_out_row_stride,
+                BLOCK_M)
+    if TAIL_M > 0:
+        _store_rows(acc_t, rows_out_ptr, sorted_pairs_ptr, row0 + BLOCK_M, col_block, num_pairs, hidden_dim,
+                    rows_out_row_stride, TAIL_M)
 
 
 def gate_up_wgmma(args: tuple, grid: tuple, top_k: int, activation: str, linear_clip: bool, block_m: int,
-                  stages: int, fold: bool, options: dict) -> None:
+                  tail_m: int, stages: int, fold: bool, options: dict) -> None:
     """`moe_mxfp4.gate_up`'s launch for a wgmma tile (`args`: `moe_mxfp4._gate_up_args`)."""
     gate_up_wgmma_kernel[grid](*args, TOP_K=top_k, IS_SITU=activation == "situ", HAS_LINEAR_CLIP=linear_clip,
-                               BLOCK_M=block_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4, **options)
+                               BLOCK_M=block_m, TAIL_M=tail_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4,
+                               **options)
 
 
-def down_wgmma(args: tuple, grid: tuple, block_m: int, stages: int, fold: bool, options: dict) -> None:
+def down_wgmma(args: tuple, grid: tuple, block_m: int, tail_m: int, stages: int, fold: bool, options: dict) -> None:
     """`moe_mxfp4.down`'s launch for a wgmma tile (`args`: `moe_mxfp4._down_args`)."""
-    down_wgmma_kernel[grid](*args, BLOCK_M=block_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4, **options)
+    down_wgmma_kernel[grid](*args, BLOCK_M=block_m, TAIL_M=tail_m, STAGES=stages, SCALE_FOLD=fold, num_warps=4,
+                            **options)
