@@ -120,7 +120,8 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # wgmma tiles (`kernels.triton.moe_mxfp4_wgmma`, 3f0f6e4..76e2fb7): blocks of up to 256 rows, one decode of each
 # weight tile for all of them, the next step decoded under this step's wgmma. Compiled offline for sm_90 only; no GPU
 # was lent that session, so no class uses them yet: `python -m bench.moe_mxfp4_sweep --tiles
-# bench/sweeps/wgmma.json --tokens 32,64,256,512,1024` checks and times them against the entries below.
+# bench/sweeps/wgmma.json --tokens 512,1024`, then `--tokens 32,64,256`, checks and times them against the entries
+# below (two device calls: each new tile is two Gluon compiles on the device).
 # stream (`kernels.triton.moe_mxfp4_stream`): the decode classes' Gluon pair with down waiting per row block instead
 # of at the kernel boundary (the one-token lever the last PDL run left). Compiled offline for sm_90 only (72
 # registers, 7 programs an SM, as decode_thin's); `--tiles bench/sweeps/stream.json --tokens 1,4,16,32` times it
