@@ -283,25 +283,6 @@ def _down_rows(col_block):
 
 
 @gluon.jit
-def _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
-                packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride, rows_out_row_stride,
-                num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M: gl.constexpr,
-                SCALE_FOLD: gl.constexpr):
-    """A down program's work: (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows."""
-    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 128,
-                                             _bytes_layout(), _scale_layout())
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
-    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
-    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
-    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
-    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
-    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
-    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
-
-
-@gluon.jit
 def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
@@ -311,20 +292,22 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     STREAM (`moe_mxfp4_stream`): launched while gate/up still runs, each program waits for its own row block's
     gate/up programs only, and each block's last program zeroes the block's counters for the next call."""
     block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
-    if STREAM:
-        if expert < num_experts:
-            _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, 32))
-            _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, 64))
-            _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
-                        packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride,
-                        rows_out_row_stride, num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M,
-                        SCALE_FOLD)
-    else:
-        if expert >= num_experts:
-            return
-        _down_block(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, packed_expert_stride,
-                    packed_row_stride, scale_expert_stride, scale_row_stride, hidden_row_stride, rows_out_row_stride,
-                    num_pairs, hidden_dim, inter_dim, block, col_block, expert, BLOCK_M, SCALE_FOLD)
+    if expert >= num_experts:
+        return
+    byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
+                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 128,
+                                             _bytes_layout(), _scale_layout())
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
+    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
+    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
+    if STREAM:                                                     # set up, then wait for this block's hidden
+        _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, 32))
+        _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, 64))
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
+    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
+    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
+    out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
+    gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
 
 
 def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
