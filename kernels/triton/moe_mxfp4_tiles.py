@@ -44,7 +44,7 @@ class Mxfp4Tile(NamedTuple):
     #                                and a tail_m-row dot (an expert of 90 rows in a 64 + 32 block: one decode, not
     #                                a 64-row block's and a 32-row one's); a block whose tail rows are all padding
     #                                runs the block_m dot alone, one of at most tail_m rows the tail_m dot alone
-    #                                (the wgmma kernels run both parts every step: no skip)
+    #                                (the wgmma kernels skip only an all-padding tail)
     maxnreg: int = 0               # NVIDIA only: ptxas' register cap per thread for both kernels (0: its own
     #                                choice). The sm_90 decode tiles compile to 167 registers, 3 programs of 4
     #                                warps an SM; at 128 they fit 4 with no spill (offline sm_90 SASS)

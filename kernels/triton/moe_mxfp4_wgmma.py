@@ -24,8 +24,9 @@ Decode: `moe_mxfp4_gluon`'s four-bytes-per-PTX-call decode (bf16 code * 2^-126, 
 Block heights. Gluon's tensors are powers of two, so a block of 96 or 160 rows is BLOCK_M + TAIL_M: the tail rows
 get their own shared-memory stages and accumulator and a second pair of wgmma a step from the same decoded
 registers, so one decode serves both (K3's ~146 rows an expert at 16K routed rows: two 64 + 32 blocks decode each
-weight twice where 64-row blocks decode it three times; 73 at 8K: one block). Unlike the swap kernels' tail, both
-parts run every step (skipping an all-padding part would put an async wgmma under a runtime branch: not tried).
+weight twice where 64-row blocks decode it three times; 73 at 8K: one block). A block with no rows past BLOCK_M
+skips the tail's wgmma (a runtime branch around them; in the offline SASS the main and tail HGMMA still share one
+wait a step).
 
 Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256], tail_m 0 or a power of two in [16,
 block_m]. Never run in the interpreter (Gluon has none): CI compiles these kernels offline for sm_90, and the GPU
@@ -38,7 +39,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                               warpgroup_mma_wait)
 
 from kernels.triton.moe_mxfp4_gluon import (_down_program, _down_rows, _flat_layout, _glu_rows, _quad_decode, _slice,
                                             _stacked_rows, _weight_pointers)
@@ -152,7 +154,7 @@ def _issue(byte_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, step, stage, byte_smem, ev
 
 
 @gluon.jit
-def _step(acc, acc_t, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask,
+def _step(acc, acc_t, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, has_tail,
           byte_smem, even_smem, odd_smem, even_t, odd_t, BLOCK_M: gl.constexpr, TAIL_M: gl.constexpr,
           STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """K step `step` (its decoded halves `low`, `high`; `scale`: step + 1's scale bytes) -> the accumulators (the
@@ -170,10 +172,12 @@ def _step(acc, acc_t, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_pt
     acc = warpgroup_mma(low, even_smem.index(stage).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma(high, odd_smem.index(stage).permute((1, 0)), acc, is_async=True)
     if TAIL_M > 0:
-        acc_t = warpgroup_mma(gl.convert_layout(low, _operand_layout(TAIL_M), assert_trivial=True),
-                              even_t.index(stage).permute((1, 0)), acc_t, is_async=True)
-        acc_t = warpgroup_mma(gl.convert_layout(high, _operand_layout(TAIL_M), assert_trivial=True),
-                              odd_t.index(stage).permute((1, 0)), acc_t, is_async=True)
+        acc_t = warpgroup_mma_init(acc_t)                          # the same type in both branches
+        if has_tail:                                               # the block has rows past BLOCK_M
+            acc_t = warpgroup_mma(gl.convert_layout(low, _operand_layout(TAIL_M), assert_trivial=True),
+                                  even_t.index(stage).permute((1, 0)), acc_t, is_async=True)
+            acc_t = warpgroup_mma(gl.convert_layout(high, _operand_layout(TAIL_M), assert_trivial=True),
+                                  odd_t.index(stage).permute((1, 0)), acc_t, is_async=True)
     following = gl.minimum(step + 1, steps - 1)
     next_low, next_high = _decode(byte_smem.index(following % STAGES).load(_bytes_layout()), scale, BLOCK_M,
                                   SCALE_FOLD)
@@ -186,11 +190,12 @@ def _step(acc, acc_t, low, high, scale, step, steps, byte_ptrs, scale_ptrs, x_pt
 
 
 @gluon.jit
-def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, steps, BLOCK_M: gl.constexpr,
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, has_tail, steps, BLOCK_M: gl.constexpr,
             TAIL_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps` K
     steps of 128 columns (`x_ptrs` [BLOCK_M, 64]: step 0's even half of each row), and with TAIL_M the [64,
-    TAIL_M] product with its tail rows (`t_ptrs`; else the second result is 0 and `t_ptrs` unused).
+    TAIL_M] product with its tail rows (`t_ptrs`; skipped when not `has_tail`, the tail all padding; without
+    TAIL_M the second result is 0 and `t_ptrs` unused).
 
     Step i's packed bytes and x rows land in shared memory by cp.async, STAGES - 1 steps ahead of its MMA; its
     scale bytes come from global memory (two a thread, loaded a step ahead). Each step (`_step`) issues its two
@@ -227,12 +232,13 @@ def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, steps, BLOCK_
     for pair in range(steps // 2):
         for u in gl.static_range(2):
             acc, acc_t, low, high, scale = _step(acc, acc_t, low, high, scale, 2 * pair + u, steps, byte_ptrs,
-                                                 scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, byte_smem, even_smem,
-                                                 odd_smem, even_t, odd_t, BLOCK_M, TAIL_M, STAGES, SCALE_FOLD)
+                                                 scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, has_tail, byte_smem,
+                                                 even_smem, odd_smem, even_t, odd_t, BLOCK_M, TAIL_M, STAGES,
+                                                 SCALE_FOLD)
     if steps % 2:
         acc, acc_t, low, high, scale = _step(acc, acc_t, low, high, scale, steps - 1, steps, byte_ptrs, scale_ptrs,
-                                             x_ptrs, x_mask, t_ptrs, t_mask, byte_smem, even_smem, odd_smem, even_t,
-                                             odd_t, BLOCK_M, TAIL_M, STAGES, SCALE_FOLD)
+                                             x_ptrs, x_mask, t_ptrs, t_mask, has_tail, byte_smem, even_smem,
+                                             odd_smem, even_t, odd_t, BLOCK_M, TAIL_M, STAGES, SCALE_FOLD)
     async_copy.wait_group(0)
     return acc, acc_t
 
@@ -310,8 +316,9 @@ def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
         t_ptrs, t_mask = _token_rows(x_ptr, sorted_pairs_ptr, row0 + BLOCK_M, num_pairs, x_row_stride, TAIL_M, TOP_K)
     else:
         t_ptrs, t_mask = x_ptrs, x_mask                            # unused
-    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, hidden_dim // 128, BLOCK_M, TAIL_M,
-                         STAGES, SCALE_FOLD)
+    has_tail = gl.load(sorted_pairs_ptr + row0 + BLOCK_M) < num_pairs if TAIL_M > 0 else False
+    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, x_mask, t_ptrs, t_mask, has_tail, hidden_dim // 128, BLOCK_M,
+                         TAIL_M, STAGES, SCALE_FOLD)
     _store_hidden(acc, hidden_ptr, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, hidden_row_stride, beta,
                   linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     if TAIL_M > 0:
@@ -339,8 +346,9 @@ def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                                       TAIL_M)
     else:
         t_ptrs, t_mask = h_ptrs, h_mask                            # unused
-    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, h_mask, t_ptrs, t_mask, inter_dim // 128, BLOCK_M, TAIL_M,
-                         STAGES, SCALE_FOLD)
+    has_tail = gl.load(sorted_pairs_ptr + row0 + BLOCK_M) < num_pairs if TAIL_M > 0 else False
+    acc, acc_t = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, h_mask, t_ptrs, t_mask, has_tail, inter_dim // 128, BLOCK_M,
+                         TAIL_M, STAGES, SCALE_FOLD)
     _store_rows(acc, rows_out_ptr, sorted_pairs_ptr, row0, col_block, num_pairs, hidden_dim, rows_out_row_stride,
                 BLOCK_M)
     if TAIL_M > 0:
