@@ -475,3 +475,16 @@ def test_group_pairs_by_expert_blocks_hold_one_expert_each():
         placed += real
     mine = [i for i, e in enumerate(flat.tolist()) if 0 <= e < num_experts]
     assert sorted(placed) == mine, "every local pair is placed exactly once and foreign pairs are dropped"
+
+
+def test_group_pairs_put_each_blocks_padding_rows_last():
+    """Within a block the real rows come first: the tail parts of the swap and wgmma kernels (block_m + tail_m rows)
+    decide from the first tail row alone whether the tail holds any row, and skip its MMA when it does not."""
+    from kernels.triton import moe_blocks
+    gen = torch.Generator().manual_seed(3)
+    for num_tokens, top_k, num_experts, block_m in ((13, 3, 5, 4), (37, 8, 16, 6), (64, 4, 7, 24)):
+        expert_ids = torch.randint(-1, num_experts + 1, (num_tokens, top_k), generator=gen).to(DEVICE)
+        for group in (moe_blocks.group_pairs_small, moe_blocks.group_pairs_torch):
+            blocks = group(expert_ids, 0, num_experts, block_m)
+            padding = (blocks.sorted_pairs.cpu() >= expert_ids.numel()).view(-1, block_m).int()    # [blocks, rows]
+            assert torch.equal(padding, padding.cummax(dim=1).values), (group.__name__, padding)
