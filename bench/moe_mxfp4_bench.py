@@ -29,6 +29,7 @@ from bench.context import BenchContext, load, make_context, require_interpreter,
 from bench.timing import measure_ceilings
 from k3core.model.mxfp4 import max_scale_of
 from tools.tune.kernel_profile import markdown as kernel_profile_markdown
+from tools.tune.kernel_profile import profile_kernels
 
 K3_SHAPE = dict(experts=112, latent=3584, width=3072, top_k=16)
 SMOKE_SHAPE = dict(experts=8, latent=64, width=64, top_k=4)
@@ -148,7 +149,6 @@ def run_case(ctx: BenchContext, shape: dict, phase: str, tokens: int, copy_tbps:
 def _profile(fn, device: torch.device, call_ms: float) -> dict:
     """One op's kernels over 20 eager calls, ranked, against its graph-timed call; a profiler failure is recorded,
     not raised (the timings above stand without it)."""
-    profile_kernels = load("tools.tune.kernel_profile:profile_kernels")
     try:
         return profile_kernels(fn, device, steps=20, step_ms=call_ms, top=8)
     except Exception as exc:  # noqa: BLE001  (no CUPTI, say: the row keeps its timings)

@@ -48,9 +48,8 @@ def sample_rows_apart(logits: torch.Tensor, rows: list[SampleRow], requests: lis
     the rows that still raise are marked failed: every rank receives the marks with the tokens and fails those
     requests only, so a poison request neither desynchronises the ranks nor takes its batch down. A row's draw
     depends on its own seed and position only, so the other rows get the tokens the batch would have given."""
-    def host_sample(logits_rows: torch.Tensor, sample_rows_: list[SampleRow],
-                    sample_requests: list[Request]) -> HostSample:
-        sample = sample_rows(logits_rows, sample_rows_, sample_requests, sampler, constraints)
+    def host_sample(logits_rows: torch.Tensor, subset: list[SampleRow], subset_requests: list[Request]) -> HostSample:
+        sample = sample_rows(logits_rows, subset, subset_requests, sampler, constraints)
         sample.start_copy()
         return sample.result()
     try:
