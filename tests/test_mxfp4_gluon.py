@@ -61,11 +61,14 @@ def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
     for change, match in ((dict(block_m=32), "block_m 8 or 16"), (dict(presplit=False), "presplit"),
                           (dict(block_k=128), "block_k 256"), (dict(split_x=True), "no other option"),
                           (dict(num_warps=8), "4-warp"), (dict(num_stages=3), "1 stage"),
-                          (dict(asm_decode=False), "asm_decode"), (dict(prefetch=True), "no other option")):
+                          (dict(asm_decode=False), "asm_decode"), (dict(prefetch=True), "no other option"),
+                          (dict(block_n=32), "64 or 128 weight rows"), (dict(down_block_n=256), "64 or 128")):
         with pytest.raises(ValueError, match=match):
             moe_mxfp4.check_tile(GLUON_TILE._replace(**change))
     moe_mxfp4.check_tile(GLUON_TILE)
     moe_mxfp4.check_tile(GLUON_TILE._replace(block_m=16))
+    moe_mxfp4.check_tile(GLUON_TILE._replace(block_n=128, down_block_n=64))
+    moe_mxfp4.check_tile(GLUON_TILE._replace(down_block_n=128))
     gen = torch.Generator().manual_seed(4)
     experts, dim, inter = 2, 256, 256
     (w13p, w13s), (w2p, w2s) = _random_experts(gen, experts, 2 * inter, dim), _random_experts(gen, experts, dim, inter)
@@ -78,32 +81,41 @@ def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
 
 def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     """Both kernels through the op at K3's per-GPU widths, 1 and 16 tokens, 8- and 16-row blocks, folded and
-    exact scales (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives interpreter stand-ins): every
-    launch compiles, asks for at most 4 KiB of shared memory (the GLU epilogue's exchange; the operands never pass
-    through it), and fits at least 6 programs of 4 warps an SM with 8-row blocks (the committed tile; 3 for the
-    swap tile it replaced), 4 with 16, and 7 for decode_thin's 72-register cap (K3's one-token down grid, 896
-    programs, in one wave of 132 x 7)."""
+    exact scales, 64- and 128-row programs (offline, in a subprocess: conftest.py's TRITON_INTERPRET=1 gives
+    interpreter stand-ins): every launch compiles (the 128-row operand tiles map onto the MMA's layouts with no
+    data movement: `assert_trivial`), asks for at most 4 KiB of shared memory a 64-row program (the GLU
+    epilogue's exchange; the operands never pass through it; 8 KiB at 128 rows and 16), and fits at least 6
+    programs of 4 warps an SM with 8-row blocks (the committed tile; 3 for the swap tile it replaced), 4 with 16,
+    7 for decode_thin's 72-register cap (K3's one-token down grid, 896 programs, in one wave of 132 x 7) and 4 for
+    128-row programs under a 128-register cap (a 64-row down kernel beside them keeps its 6)."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
-        for name, block_m, tokens, max_scale in (("decode", 8, 1, 120), ("decode", 8, 16, 255),
-                                                 ("decode", 16, 4, 120), ("decode_thin", 8, 1, 120)):
+        for name, block_m, rows, down_rows, cap, tokens, max_scale in (
+                ("decode", 8, 64, 0, 0, 1, 120), ("decode", 8, 64, 0, 0, 16, 255), ("decode", 16, 64, 0, 0, 4, 120),
+                ("decode_thin", 8, 64, 0, 72, 1, 120), ("decode", 8, 128, 64, 0, 1, 120),
+                ("decode", 16, 128, 0, 128, 64, 255)):
+            tile = MXFP4_TILES_NVIDIA[name]._replace(block_m=block_m, block_n=rows, down_block_n=down_rows,
+                                                     maxnreg=cap)
             with capture(target) as recorder:
                 ids = torch.arange(tokens * K).view(tokens, K) % E
                 moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
                                   torch.full((tokens, K), 1 / K), ids, "situ", 4.0, 25.0, max_scale=max_scale,
-                                  tile=MXFP4_TILES_NVIDIA[name]._replace(block_m=block_m))
+                                  tile=tile)
             for _, launch in recorder.launches:
                 if "gluon" in launch.kernel:
                     c = compile_launch(launch, target)
                     r = c.resources
-                    print(name, block_m, launch.kernel, c.error or "ok", r.shared_bytes, r.occupancy)
-    """))
+                    named = {launch.fn.arg_names[path[0]]: value for path, value in launch.constexprs.items()}
+                    print(name, block_m, named["WEIGHT_ROWS"], launch.kernel, c.error or "ok", r.shared_bytes,
+                          r.occupancy)
+    """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 8, lines
+    assert len(lines) == 12, lines
     for line in lines:
-        name, block_m, kernel, status, shared, occupancy = line.split()
-        least = 7 if name == "decode_thin" else 6 if block_m == "8" else 4     # 72 registers: 7 programs
-        assert status == "ok" and int(shared) <= 4096 and int(occupancy) >= least, line
+        name, block_m, rows, kernel, status, shared, occupancy = line.split()
+        least = 4 if rows == "128" else 7 if name == "decode_thin" else 6 if block_m == "8" else 4
+        shared_bound = 4096 if rows == "64" else 512 * int(block_m)
+        assert status == "ok" and int(shared) <= shared_bound and int(occupancy) >= least, line

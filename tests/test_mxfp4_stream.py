@@ -102,6 +102,36 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
             assert found == "ld.global.gpu.acquire,nanosleep,trap;,atom.global.gpu.acq_rel.add", found
 
 
+def test_stream_waits_count_exactly_the_programs_each_block_launches():
+    """A down program waits until its block's counter reaches I / GATE_UP_COLS and counts out of D / ROWS: with
+    64- and 128-row programs on either side, those must be the gate/up programs each block launches and the down
+    programs each block launches, or down traps (too many awaited) or reads a half-written hidden (too few).
+    Captured launches of K3's 1- and 16-token calls, offline (no compile)."""
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        from backends.offline import capture, offline_target
+        from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
+        for rows, down_rows in ((64, 0), (128, 0), (128, 64), (64, 128)):
+            for tokens in (1, 16):
+                tile = MXFP4_TILES_NVIDIA["decode"]._replace(stream=True, block_n=rows, down_block_n=down_rows)
+                with capture(offline_target("sm_90")) as recorder:
+                    moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
+                                      torch.full((tokens, K), 1 / K),
+                                      torch.arange(tokens * K).view(tokens, K) % E, "situ", 4.0, 25.0,
+                                      max_scale=120, tile=tile)
+                launches = {launch.kernel: launch for _, launch in recorder.launches if "gluon" in launch.kernel}
+                gate_up, down = launches["gate_up_gluon_kernel"], launches["down_gluon_kernel"]
+                named = {down.fn.arg_names[path[0]]: value for path, value in down.constexprs.items()}
+                print(rows, down_rows, tokens, *gate_up.grid, *down.grid, named["GATE_UP_COLS"], named["WEIGHT_ROWS"])
+    """))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [list(map(int, line.split())) for line in result.stdout.splitlines()]
+    assert len(lines) == 8, result.stdout
+    inter, hidden = 3072, 3584
+    for rows, down_rows, tokens, up_cols, blocks, down_grid, awaited_cols, down_program_rows in lines:
+        assert up_cols == inter // (rows // 2) and awaited_cols == rows // 2, lines   # awaited = launched
+        assert down_program_rows == (down_rows or rows) and down_grid == blocks * hidden // down_program_rows, lines
+
+
 def test_counter_invariant_names_what_a_pair_left_behind(monkeypatch):
     """`check_invariants` (run by the sweep after a stream tile's calls) passes on zeroed counters and names the
     non-zero ones otherwise; a call with more row blocks than the grid's y axis holds is refused."""

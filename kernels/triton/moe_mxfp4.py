@@ -196,8 +196,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
-                      num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m, fold,
-                      counters, _registers(tile, x.device))
+                      num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
+                      tile.block_n, fold, counters, _registers(tile, x.device))
         return hidden
     if tile.gemv:
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -253,7 +253,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, fold, counters,
+                   num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, counters,
                    _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:

@@ -24,8 +24,16 @@ scale groups (16 bytes = 32 columns each).
 Decode: four bytes per PTX call (`_QUAD_DECODE`), two byte permutes, the sign and magnitude bits placed as in
 `moe_mxfp4_operands._pair_decode_ptx` (bf16 code * 2^-126, exact), one bf16x2 multiply by 2^126 x the scale
 (SCALE_FOLD) or two. With STREAM the two kernels run as a streamed pair, down waiting per row block instead of at
-the kernel boundary (`kernels.triton.moe_mxfp4_stream`). Scope: bf16 x, K and I multiples of 256, 4 warps over 64
-weight rows (gate/up: 32 columns of I, gate rows over up rows), BLOCK_M 8 or 16 token rows a block (the MMA's n).
+the kernel boundary (`kernels.triton.moe_mxfp4_stream`). Scope: bf16 x, K and I multiples of 256, 4 warps over
+WEIGHT_ROWS = 64 or 128 weight rows (gate/up: WEIGHT_ROWS / 2 columns of I, gate rows over up rows), BLOCK_M 8 or
+16 token rows a block (the MMA's n).
+
+Why 128 rows (a tile's block_n). Every warp loads the whole of its block's x step (x is the MMA's B operand, the
+same for all four warps), so at 64 rows a program moves 4 x BLOCK_M x 512 bytes of x through L1 a step against
+8 KiB of weight bytes: at 16 rows a block four times the weight bytes, and the 64-token profile had L1 at 84% with
+DRAM at 45% (bench/results/moe-mxfp4-model-nvidia-h200.md). At 128 rows each thread holds a second m16 tile's
+weights (rows + 64), and each x fragment it loads feeds both: half the x traffic per weight byte, half the
+programs, more registers a thread.
 Never run in the interpreter: Gluon has none, so CI compiles these kernels offline and the GPU sweep checks them
 against float64 before timing.
 """
@@ -76,19 +84,22 @@ def _mma_layout():
 
 
 @gluon.constexpr_function
-def _bytes_layout():
-    """[64 rows, 128 bytes]: thread 4g + t of warp w holds rows 16w + g and + 8, bytes 32t..32t+31."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]],
+def _bytes_layout(rows):
+    """[rows (64 or 128), 128 bytes]: thread 4g + t of warp w holds rows 16w + g and + 8 (and those + 64 at 128
+    rows: a second m16 tile against the same x), bytes 32t..32t+31."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
+                                      + ([[64, 0]] if rows == 128 else []),
                                       lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
-                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 128])
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, 128])
 
 
 @gluon.constexpr_function
-def _scale_layout():
-    """[64 rows, 8 groups, 16 bytes]: the scale of each byte of `_bytes_layout`, held where that byte is."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [8, 0, 0]],
+def _scale_layout(rows):
+    """[rows, 8 groups, 16 bytes]: the scale of each byte of `_bytes_layout(rows)`, held where that byte is."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [8, 0, 0]]
+                                      + ([[64, 0, 0]] if rows == 128 else []),
                                       lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 8, 16])
+                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 8, 16])
 
 
 @gluon.constexpr_function
@@ -117,10 +128,10 @@ def _x_layout(block_m):
 
 
 @gluon.jit
-def _kappa_rows(tile):
-    """[64, 128] indexed by byte j = 32t + 4s + 2h + p -> indexed by dot position kappa = 16s + 8h + 2t + p."""
-    tile = tile.reshape([64, 4, 8, 2, 2])                          # [row, t, s, h, p]
-    return tile.permute([0, 2, 3, 1, 4]).reshape([64, 128])        # [row, s, h, t, p]
+def _kappa_rows(tile, WEIGHT_ROWS: gl.constexpr):
+    """[WEIGHT_ROWS, 128] indexed by byte j = 32t + 4s + 2h + p -> indexed by dot position kappa = 16s + 8h + 2t + p."""
+    tile = tile.reshape([WEIGHT_ROWS, 4, 8, 2, 2])                 # [row, t, s, h, p]
+    return tile.permute([0, 2, 3, 1, 4]).reshape([WEIGHT_ROWS, 128])  # [row, s, h, t, p]
 
 
 @gluon.jit
@@ -131,15 +142,18 @@ def _kappa_cols(tile, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _quad_decode(byte, scale, BYTES: gl.constexpr, bytes_layout: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """Packed bytes [64, BYTES] in `bytes_layout` and their scale bytes [64, BYTES / 16, 1] -> (low-nibble,
-    high-nibble) bf16 tiles [64, BYTES] in `bytes_layout` (`_QUAD_DECODE`: the scale broadcast to its 16 bytes)."""
+def _quad_decode(byte, scale, WEIGHT_ROWS: gl.constexpr, BYTES: gl.constexpr, bytes_layout: gl.constexpr,
+                 SCALE_FOLD: gl.constexpr):
+    """Packed bytes [WEIGHT_ROWS, BYTES] in `bytes_layout` and their scale bytes [WEIGHT_ROWS, BYTES / 16, 1] ->
+    (low-nibble, high-nibble) bf16 tiles [WEIGHT_ROWS, BYTES] in `bytes_layout` (`_QUAD_DECODE`: the scale
+    broadcast to its 16 bytes)."""
     scale = scale.to(gl.int32)
     if SCALE_FOLD:
         bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
     else:
         bits = gl.minimum(gl.maximum(scale << 7, 0x40), 0x7F00)    # bf16 2^(byte - 127); 0 subnormal, 255 as 254
-    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([64, BYTES // 16, 16]).reshape([64, BYTES])
+    scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([WEIGHT_ROWS, BYTES // 16, 16])
+    scale = scale.reshape([WEIGHT_ROWS, BYTES])
     scale = gl.convert_layout(scale, bytes_layout)
     if SCALE_FOLD:
         return gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
@@ -149,13 +163,14 @@ def _quad_decode(byte, scale, BYTES: gl.constexpr, bytes_layout: gl.constexpr, S
 
 
 @gluon.jit
-def _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD: gl.constexpr):
-    """K step `step` of the 64 weight rows: (low-nibble, high-nibble) tiles [64, 128] in the A operand layout."""
-    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [64, 128] uint8
-    scale = gl.load(scale_ptrs + step * 8)                                                 # [64, 8, 1]
-    low, high = _quad_decode(byte, scale, 128, _bytes_layout(), SCALE_FOLD)
-    return (gl.convert_layout(_kappa_rows(low), _operand_layout(0), assert_trivial=True),
-            gl.convert_layout(_kappa_rows(high), _operand_layout(0), assert_trivial=True))
+def _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr):
+    """K step `step` of the WEIGHT_ROWS weight rows: (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand
+    layout."""
+    byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [WEIGHT_ROWS, 128] uint8
+    scale = gl.load(scale_ptrs + step * 8)                                                 # [WEIGHT_ROWS, 8, 1]
+    low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS), SCALE_FOLD)
+    return (gl.convert_layout(_kappa_rows(low, WEIGHT_ROWS), _operand_layout(0), assert_trivial=True),
+            gl.convert_layout(_kappa_rows(high, WEIGHT_ROWS), _operand_layout(0), assert_trivial=True))
 
 
 @gluon.jit
@@ -172,8 +187,8 @@ def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr):
 def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                      scale_row_stride, w_rows, BYTES: gl.constexpr, bytes_layout: gl.constexpr,
                      scale_layout: gl.constexpr):
-    """Byte pointers [64, BYTES] in `bytes_layout` and scale pointers [64, BYTES / 16, 1] in `scale_layout` of K
-    step 0 of weight rows `w_rows` [64] (any 1-D layout; converted here)."""
+    """Byte pointers [rows, BYTES] in `bytes_layout` and scale pointers [rows, BYTES / 16, 1] in `scale_layout` of
+    K step 0 of weight rows `w_rows` [rows] (any 1-D layout; converted here)."""
     rows_b = gl.convert_layout(w_rows, _slice(1, bytes_layout))
     cols_b = gl.arange(0, BYTES, layout=_slice(0, bytes_layout))
     byte_ptrs = (packed_ptr + expert.to(gl.int64) * packed_expert_stride
@@ -194,12 +209,14 @@ def _x_pointers(row_starts, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
-    """The [64, BLOCK_M] float32 product of the program's 64 weight rows and its x (or hidden) rows over `steps`
-    K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the odd."""
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=_mma_layout())
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+            SCALE_FOLD: gl.constexpr):
+    """The [WEIGHT_ROWS, BLOCK_M] float32 product of the program's weight rows and its x (or hidden) rows over
+    `steps` K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the
+    odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles."""
+    acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
     for step in range(0, steps):
-        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, SCALE_FOLD)
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD)
         even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M)
         acc = mma_v2(low, even, acc)
         acc = mma_v2(high, odd, acc)
@@ -211,10 +228,10 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
                          linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
-                         HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr,
-                         STREAM: gl.constexpr):
-    """One (row block, 32 columns of I): gate and up rows stacked in one 64-row weight tile, the GLU in float32,
-    stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
+                         HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr,
+                         SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr):
+    """One (row block, WEIGHT_ROWS / 2 columns of I): gate and up rows stacked in one weight tile, the GLU in
+    float32, stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
     STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
     may launch once every program has started, and each program counts itself done in its block's counter."""
     if STREAM:
@@ -228,15 +245,16 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim, col),
-                                             128, _bytes_layout(), _scale_layout())
+                                             scale_expert_stride, scale_row_stride,
+                                             _stacked_rows(inter_dim, col, WEIGHT_ROWS), 128,
+                                             _bytes_layout(WEIGHT_ROWS), _scale_layout(WEIGHT_ROWS))
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M)
-    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, BLOCK_M, SCALE_FOLD)
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block * BLOCK_M, col, num_pairs, inter_dim,
-                                                 beta, linear_beta, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+                                                 beta, linear_beta, WEIGHT_ROWS, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
     places = cols // 256 * 256 + cols % 256 // 2 + cols % 2 * 128                       # presplit order
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
@@ -245,85 +263,92 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 
 
 @gluon.jit
-def _stacked_rows(inter_dim, col):
-    """The 64 weight rows of gate/up program `col` (columns 32 col .. 32 col + 31 of I): gate rows over up rows."""
-    stack = gl.arange(0, 64, layout=_flat_layout())
-    cols_of_stack = col * 32 + stack % 32
-    return gl.where(stack < 32, cols_of_stack, cols_of_stack + inter_dim)
+def _stacked_rows(inter_dim, col, WEIGHT_ROWS: gl.constexpr):
+    """The WEIGHT_ROWS weight rows of gate/up program `col` (WEIGHT_ROWS / 2 columns of I from col x
+    WEIGHT_ROWS / 2): gate rows over up rows."""
+    stack = gl.arange(0, WEIGHT_ROWS, layout=_flat_layout())
+    cols_of_stack = col * (WEIGHT_ROWS // 2) + stack % (WEIGHT_ROWS // 2)
+    return gl.where(stack < WEIGHT_ROWS // 2, cols_of_stack, cols_of_stack + inter_dim)
 
 
 @gluon.jit
-def _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta, linear_beta, BLOCK_M: gl.constexpr,
-              IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
-    """Gate/up program `col`'s product [64, BLOCK_M] (`_stacked_rows`, any layout) over sorted rows row0.. -> the
-    GLU in float32 [32 columns, BLOCK_M rows], its columns of I, its sorted rows and the store mask (real rows,
-    columns within I)."""
-    pairs_last = gl.convert_layout(acc.reshape([2, 32, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
-    gate, up = pairs_last.split()                                  # [32, BLOCK_M] each, once a program
+def _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta, linear_beta, WEIGHT_ROWS: gl.constexpr,
+              BLOCK_M: gl.constexpr, IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr):
+    """Gate/up program `col`'s product [WEIGHT_ROWS, BLOCK_M] (`_stacked_rows`, any layout) over sorted rows
+    row0.. -> the GLU in float32 [WEIGHT_ROWS / 2 columns, BLOCK_M rows], its columns of I, its sorted rows and
+    the store mask (real rows, columns within I)."""
+    pairs_last = gl.convert_layout(acc.reshape([2, WEIGHT_ROWS // 2, BLOCK_M]).permute([1, 2, 0]), _glu_layout())
+    gate, up = pairs_last.split()                                  # [WEIGHT_ROWS / 2, BLOCK_M] each, once a program
     hidden = glu_f32(gate, up, IS_SITU, HAS_LINEAR_CLIP, beta, linear_beta)
-    cols = col * 32 + gl.arange(0, 32, layout=_slice(1, gate.type.layout))
+    cols = col * (WEIGHT_ROWS // 2) + gl.arange(0, WEIGHT_ROWS // 2, layout=_slice(1, gate.type.layout))
     out_rows = row0 + gl.arange(0, BLOCK_M, layout=_slice(0, gate.type.layout))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < inter_dim)[:, None]
     return hidden, cols, out_rows, out_mask
 
 
 @gluon.jit
-def _down_program(block_experts_ptr, hidden_dim):
-    """A down program's row block, column block (64 columns of D) and expert: one grid axis, column blocks fastest
-    (a row block's programs share its hidden in L2)."""
-    col_blocks = gl.cdiv(hidden_dim, 64)
+def _down_program(block_experts_ptr, hidden_dim, WEIGHT_ROWS: gl.constexpr):
+    """A down program's row block, column block (WEIGHT_ROWS columns of D) and expert: one grid axis, column blocks
+    fastest (a row block's programs share its hidden in L2)."""
+    col_blocks = gl.cdiv(hidden_dim, WEIGHT_ROWS)
     block = gl.program_id(0) // col_blocks
     return block, gl.program_id(0) % col_blocks, gl.load(block_experts_ptr + block)
 
 
 @gluon.jit
-def _down_rows(col_block):
-    """The 64 weight rows (columns of D) of a down program."""
-    return col_block * 64 + gl.arange(0, 64, layout=_flat_layout())
+def _down_rows(col_block, WEIGHT_ROWS: gl.constexpr):
+    """The WEIGHT_ROWS weight rows (columns of D) of a down program."""
+    return col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_flat_layout())
 
 
 @gluon.jit
 def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, block_experts_ptr,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
-                      counters_ptr, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr):
-    """One (row block, 64 columns of D): (W2 hidden^T) [64, BLOCK_M] over I, stored in float32 at the sorted rows;
+                      counters_ptr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr, GATE_UP_COLS: gl.constexpr,
+                      SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr):
+    """One (row block, WEIGHT_ROWS columns of D): (W2 hidden^T) [WEIGHT_ROWS, BLOCK_M] over I, stored in float32
+    at the sorted rows; GATE_UP_COLS: the columns of I a gate/up program writes (STREAM's count);
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
     STREAM (`moe_mxfp4_stream`): launched while gate/up still runs, each program waits for its own row block's
     gate/up programs only, and each block's last program zeroes the block's counters for the next call."""
-    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
+    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim, WEIGHT_ROWS)
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 128,
-                                             _bytes_layout(), _scale_layout())
+                                             scale_expert_stride, scale_row_stride, _down_rows(col_block, WEIGHT_ROWS),
+                                             128, _bytes_layout(WEIGHT_ROWS), _scale_layout(WEIGHT_ROWS))
     rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M)
     if STREAM:                                                     # set up, then wait for this block's hidden
-        _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, 32))
-        _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, 64))
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, BLOCK_M, SCALE_FOLD)
-    cols = col_block * 64 + gl.arange(0, 64, layout=_slice(1, _mma_layout()))
+        _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, GATE_UP_COLS))
+        _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, WEIGHT_ROWS))
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD)
+    cols = col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_slice(1, _mma_layout()))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
     gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
 
 
 def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
-                  block_m: int, fold: bool, counters: torch.Tensor | None, options: dict) -> None:
-    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`); `counters`: the streamed
-    pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel."""
-    grid = (inter_dim // 32, num_blocks) if counters is not None else (num_blocks, inter_dim // 32)
+                  block_m: int, rows: int, fold: bool, counters: torch.Tensor | None, options: dict) -> None:
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`) of `rows` stacked weight
+    rows a program (rows / 2 columns of I); `counters`: the streamed pair's (`moe_mxfp4_stream.stream_counters`),
+    None for the plain kernel."""
+    col_blocks = inter_dim // (rows // 2)
+    grid = (col_blocks, num_blocks) if counters is not None else (num_blocks, col_blocks)
     gate_up_gluon_kernel[grid](*args, counters, TOP_K=top_k, IS_SITU=activation == "situ",
-                               HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, SCALE_FOLD=fold,
+                               HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, WEIGHT_ROWS=rows, SCALE_FOLD=fold,
                                STREAM=counters is not None, num_warps=4, **options)
 
 
-def down_gluon(args: tuple, grid: tuple, block_m: int, fold: bool, counters: torch.Tensor | None,
-               options: dict) -> None:
-    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`); with `counters` (the same
-    buffer gate/up counted into) a programmatic dependent launch that waits per row block."""
+def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows: int, gate_up_rows: int,
+               fold: bool, counters: torch.Tensor | None, options: dict) -> None:
+    """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`) of `rows` columns of D a
+    program, after a gate/up of `gate_up_rows` a program; with `counters` (the same buffer gate/up counted into) a
+    programmatic dependent launch that waits per row block."""
     stream = {"launch_pdl": True} if counters is not None else {}
-    down_gluon_kernel[grid](*args, counters, BLOCK_M=block_m, SCALE_FOLD=fold, STREAM=counters is not None,
-                            num_warps=4, **stream, **options)
+    down_gluon_kernel[(hidden_dim // rows * num_blocks,)](
+        *args, counters, BLOCK_M=block_m, WEIGHT_ROWS=rows, GATE_UP_COLS=gate_up_rows // 2, SCALE_FOLD=fold,
+        STREAM=counters is not None, num_warps=4, **stream, **options)

@@ -9,11 +9,12 @@ most 2%. Here each down program waits only for its own row block's gate/up progr
 slots gate/up's tail leaves.
 
 Order. gate/up's grid is (column, block): CUDA starts programs x-fastest (the usual order; the protocol does not
-rely on it), so each block's 96 programs run together and blocks finish one after another. Each gate/up program
-stores its hidden, meets the CTA barrier, and one thread adds 1 to its block's counter with release semantics at GPU
-scope; a down program's thread polls its block's counter with acquire semantics until it reaches I / 32, and the
-barrier that hands the value to the CTA orders every thread's hidden loads after it (the PTX memory model's release
-/ acquire through a barrier, as CUTLASS's split-K semaphore uses).
+rely on it), so each block's programs (96 at 64 rows a program) run together and blocks finish one after another.
+Each gate/up program stores its hidden, meets the CTA barrier, and one thread adds 1 to its block's counter with
+release semantics at GPU scope; a down program's thread polls its block's counter with acquire semantics until it
+reaches the block's gate/up program count (I / (ROWS / 2)), and the barrier that hands the value to the CTA orders
+every thread's hidden loads after it (the PTX memory model's release / acquire through a barrier, as CUTLASS's
+split-K semaphore uses).
 
 No deadlock. The down kernel is launched with programmatic dependent launch, so none of its programs starts
 before every gate/up program has started (each signals launch_dependents first): every program a down program
@@ -26,8 +27,8 @@ program of a busy block counts itself out after its wait (acquire-release), and 
 both: every down program of the block had seen the full gate/up count before counting out, and no gate/up
 program of this call is left to count. Idle blocks are never counted. The next call's gate/up is an ordinary
 launch after this kernel, so it sees the zeros. The counters (`stream_counters`) are one buffer per device and
-stream, zeroed once when made. No counter is shared by the whole grid: an address takes one block's I / 32
-increments or D / 64 count-outs, and the polls of that block's down programs.
+stream, zeroed once when made. No counter is shared by the whole grid: an address takes one block's gate/up
+increments or down count-outs, and the polls of that block's down programs.
 
 Never run on a GPU yet (written in a session with no device): the sweep (bench/sweeps/stream.json) checks it
 against float64, the extreme scales and a repeated call before timing it.

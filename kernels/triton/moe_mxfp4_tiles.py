@@ -51,8 +51,9 @@ class Mxfp4Tile(NamedTuple):
     gluon: bool = False            # NVIDIA, bf16: both GEMMs as the Gluon mma.sync kernels of
     #                                `kernels.triton.moe_mxfp4_gluon` (operands loaded straight into the MMA's
     #                                registers, no shared memory); needs swap, asm_decode, presplit and stacked,
-    #                                block_m 8 or 16, block_n 64, block_k 256, 4 warps, num_stages 1 (no software
-    #                                pipeline to stage), K and I multiples of 256
+    #                                block_m 8 or 16, block_n (and down_block_n) 64 or 128 weight rows a program
+    #                                (at 128 each x fragment a warp loads feeds two m16 tiles), block_k 256, 4
+    #                                warps, num_stages 1 (no software pipeline to stage), K and I multiples of 256
     wgmma: bool = False            # NVIDIA sm_90, bf16: both GEMMs as the Gluon wgmma kernels of
     #                                `kernels.triton.moe_mxfp4_wgmma` (the decoded weights as the register operand,
     #                                x rows in shared memory, the next step decoded under this step's MMA); needs
@@ -127,6 +128,11 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # registers, 7 programs an SM, as decode_thin's); `--tiles bench/sweeps/stream.json --tokens 1,4,16,32` times it
 # against decode_thin's and decode's tiles, in a process of its own (a broken protocol traps, which ends the
 # process's CUDA context).
+# 128-row Gluon programs (block_n 128; down_block_n 64 or 128 for the down kernel): each x fragment a warp loads
+# feeds two m16 weight tiles, for the L1 pressure the 32-64-token profile showed (x is every warp's B operand).
+# Offline sm_90: 128 registers (4 programs an SM) for 8-row blocks, 168 for 16 (128 under a cap, with 24-56 bytes
+# of stack); 7% fewer loop instructions per weight row, and x loads per weight byte halved. Never run on a GPU:
+# `--tiles bench/sweeps/rows128.json --tokens 1,16,32,64` checks and times them against the class entries below.
 # Gluon runs only whole 256-column steps in bf16 (wgmma: 128): other shapes and dtypes take the class's swap tile
 # (`SWAP_TILES_NVIDIA`, `mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's
@@ -263,13 +269,14 @@ def check_tile(tile: Mxfp4Tile) -> None:
         return
     if tile.gluon:
         if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)
-                or tile.block_n != 64 or tile.block_k != 256 or tile.num_warps != 4 or tile.num_stages != 1
-                or tile.tail_m
-                or tile.down_block_n not in (0, 64) or tile.split_x or tile.scaled or tile.half_math
+                or tile.block_n not in (64, 128) or tile.block_k != 256 or tile.num_warps != 4
+                or tile.num_stages != 1 or tile.tail_m
+                or tile.down_block_n not in (0, 64, 128) or tile.split_x or tile.scaled or tile.half_math
                 or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
-                             f"asm_decode, presplit and stacked, block_m 8 or 16, block_n 64, block_k 256, 1 stage "
-                             f"(it has no software pipeline), no other option, got {tile}")
+                             f"asm_decode, presplit and stacked, block_m 8 or 16, block_n (and down_block_n) 64 or "
+                             f"128 weight rows a program, block_k 256, 1 stage (it has no software pipeline), no "
+                             f"other option, got {tile}")
         return
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")

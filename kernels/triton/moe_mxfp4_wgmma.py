@@ -135,7 +135,7 @@ def _kappa(tile):
 def _decode(byte, scale, BLOCK_M: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """A step's packed bytes [64, 64] and scale bytes [64, 4, 1] -> (low-nibble, high-nibble) bf16 tiles [64, 64]
     in the wgmma register operand's layout."""
-    low, high = _quad_decode(byte, scale, 64, _bytes_layout(), SCALE_FOLD)
+    low, high = _quad_decode(byte, scale, 64, 64, _bytes_layout(), SCALE_FOLD)
     return (gl.convert_layout(_kappa(low), _operand_layout(BLOCK_M), assert_trivial=True),
             gl.convert_layout(_kappa(high), _operand_layout(BLOCK_M), assert_trivial=True))
 
@@ -274,7 +274,7 @@ def _store_hidden(acc, hidden_ptr, sorted_pairs_ptr, row0, col, num_pairs, inter
     """The GLU of gate/up program `col`'s product [64, ROWS] over sorted rows row0.., stored in hidden's dtype in
     `kappa_columns` order (what the down kernel reads)."""
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
-                                                 linear_beta, ROWS, IS_SITU, HAS_LINEAR_CLIP)
+                                                 linear_beta, 64, ROWS, IS_SITU, HAS_LINEAR_CLIP)
     j = cols % 128 // 2                                            # kappa_order's inverse: column -> position
     kappa = (j // 4 % 4) * 16 + (j // 2 % 2) * 8 + (j // 16) * 2 + j % 2
     places = cols // 128 * 128 + cols % 2 * 64 + kappa
@@ -308,8 +308,8 @@ def gate_up_wgmma_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim, col), 64,
-                                             _byte_copy_layout(), _scale_layout())
+                                             scale_expert_stride, scale_row_stride, _stacked_rows(inter_dim, col, 64),
+                                             64, _byte_copy_layout(), _scale_layout())
     row0 = block * (BLOCK_M + TAIL_M)
     x_ptrs, x_mask = _token_rows(x_ptr, sorted_pairs_ptr, row0, num_pairs, x_row_stride, BLOCK_M, TOP_K)
     if TAIL_M > 0:
@@ -333,11 +333,11 @@ def down_wgmma_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       BLOCK_M: gl.constexpr, TAIL_M: gl.constexpr, STAGES: gl.constexpr, SCALE_FOLD: gl.constexpr):
     """One (row block of BLOCK_M + TAIL_M rows, 64 columns of D): (W2 hidden^T) over I, stored in float32 at the
     sorted rows. One grid axis, column blocks fastest (a row block's programs share its hidden in L2)."""
-    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim)
+    block, col_block, expert = _down_program(block_experts_ptr, hidden_dim, 64)
     if expert >= num_experts:
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                             scale_expert_stride, scale_row_stride, _down_rows(col_block), 64,
+                                             scale_expert_stride, scale_row_stride, _down_rows(col_block, 64), 64,
                                              _byte_copy_layout(), _scale_layout())
     row0 = block * (BLOCK_M + TAIL_M)
     h_ptrs, h_mask = _sorted_rows(hidden_ptr, sorted_pairs_ptr, row0, num_pairs, hidden_row_stride, BLOCK_M)
