@@ -58,6 +58,10 @@ def run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
             out = vals[0] & 0xFFFF
         elif op == "shl.b32":
             out = (vals[0] << vals[1]) & MASK32
+        elif op == "shr.b32":                # logical
+            out = vals[0] >> vals[1]
+        elif op == "mul.lo.u32":             # the low 32 bits of the product
+            out = (vals[0] * vals[1]) & MASK32
         elif op == "and.b32":
             out = vals[0] & vals[1]
         elif op == "or.b32":

@@ -7,8 +7,10 @@ in about 480 SASS instructions a warp: the wgmma path stages the weight bytes in
 a step, 32 two-byte shared loads a thread to gather each A fragment), and each of the 16 m64n16k16 wgmma of a step
 brings warpgroup fences and descriptor arithmetic. At 1-64 tokens the GEMMs are memory-bound in bytes but that
 instruction stream is what holds them at about half of the copy bandwidth
-(bench/results/moe-mxfp4-model-nvidia-h200.md). Here the same step is about 375 instructions (offline sm_90), at
-about 70 registers and no shared memory.
+(bench/results/moe-mxfp4-model-nvidia-h200.md). Here the same step is about 380 instructions (offline sm_90, the
+gate/up loop at 8 rows a block; 414 with the two-permute decode it replaced), at about 70 registers and no shared
+memory. At one token the kernels issue about 5 bytes of weights an instruction, so 4 instructions a cycle an SM is
+close to the H200's DRAM bandwidth a SM: the instruction count is what the decode tiles are bound by.
 
 How the operands reach the MMA without a gather. A thread of an m16n8k16 MMA holds, of each 16-column slab of the
 A operand, columns 2t, 2t+1, 2t+8, 2t+9 of rows g and g+8 (lane = 4g + t), and of B the same K positions of token
@@ -21,12 +23,13 @@ reshape / permute `_kappa_rows` / `_kappa_cols` maps them onto the MMA's operand
 (`convert_layout(..., assert_trivial=True)` checks it at compile time). A thread's 32 bytes of a row are two
 scale groups (16 bytes = 32 columns each).
 
-Decode: four bytes per PTX call (`_QUAD_DECODE`), two byte permutes, the sign and magnitude bits placed as in
-`moe_mxfp4_operands._pair_decode_ptx` (bf16 code * 2^-126, exact), one bf16x2 multiply by 2^126 x the scale
-(SCALE_FOLD) or two. With STREAM the two kernels run as a streamed pair, down waiting per row block instead of at
-the kernel boundary (`kernels.triton.moe_mxfp4_stream`). Scope: bf16 x, K and I multiples of 256, 4 warps over
-WEIGHT_ROWS = 64 or 128 weight rows (gate/up: WEIGHT_ROWS / 2 columns of I, gate rows over up rows), BLOCK_M 8 or
-16 token rows a block (the MMA's n).
+Decode: four bytes per PTX call (`_QUAD_DECODE`): one byte permute and one shift, then per pair of codes a mask, a
+multiply that places the nibble's sign and magnitude bits at once, and a mask (bf16 code * 2^-126, exact, as
+`moe_mxfp4_operands._pair_decode_ptx`), and one bf16x2 multiply by 2^126 x the scale (SCALE_FOLD) or two: 18
+instructions for 8 codes, against 20 in the two-permute form it replaced. With STREAM the two kernels run as a
+streamed pair, down waiting per row block instead of at the kernel boundary (`kernels.triton.moe_mxfp4_stream`).
+Scope: bf16 x, K and I multiples of 256, 4 warps over WEIGHT_ROWS = 64 or 128 weight rows (gate/up: WEIGHT_ROWS / 2
+columns of I, gate rows over up rows), BLOCK_M 8 or 16 token rows a block (the MMA's n).
 
 Why 128 rows (a tile's block_n). Every warp loads the whole of its block's x step (x is the MMA's B operand, the
 same for all four warps), so at 64 rows a program moves 4 x BLOCK_M x 512 bytes of x through L1 a step against
@@ -34,6 +37,7 @@ same for all four warps), so at 64 rows a program moves 4 x BLOCK_M x 512 bytes 
 DRAM at 45% (bench/results/moe-mxfp4-model-nvidia-h200.md). At 128 rows each thread holds a second m16 tile's
 weights (rows + 64), and each x fragment it loads feeds both: half the x traffic per weight byte, half the
 programs, more registers a thread.
+
 Never run in the interpreter: Gluon has none, so CI compiles these kernels offline and the GPU sweep checks them
 against float64 before timing.
 """
@@ -53,19 +57,25 @@ STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 
 def _quad_decode_ptx(fold: bool) -> str:
     """Four packed bytes ($4) and the bf16x2 scales of bytes (0, 1) ($5) and (2, 3) ($6) -> the low-nibble codes of
     bytes (0, 1) ($0) and (2, 3) ($1), the high-nibble codes of (0, 1) ($2) and (2, 3) ($3), as bf16 pairs times
-    the scale. The bit placement is `moe_mxfp4_operands._pair_decode_ptx`'s, on two 16-bit spreads of the word."""
+    the scale. The bits land as in `moe_mxfp4_operands._pair_decode_ptx` (sign at bit 15, the three magnitude bits
+    at 8..6: bf16 code * 2^-126). One byte permute puts bytes 0 and 1 in the low byte of the two 16-bit lanes and
+    bytes 2 and 3 above them; a nibble n of each lane, masked alone, goes to both places with one multiply, n * 2^6
+    + n * 2^12 (low nibble) or n * 2^2 + n * 2^8 (high nibble: the nibble sits 4 bits up), whose two terms share
+    no bit, and a mask keeps bits 15 and 8..6. A shift by 8 brings bytes 2 and 3 down for the second pair."""
     def times(out: str, scale: str) -> str:
         if fold:
             return f"mul.rn.bf16x2 {out}, a, {scale};"
         return f"mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, {scale};"
-    lines = ["{", ".reg .b32 t0, t1, a, b, c126;", "mov.b32 c126, 0x7E807E80;",
-             "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
-    for spread, out_low, out_high, scale in (("t0", "$0", "$2", "$5"), ("t1", "$1", "$3", "$6")):
-        lines += [f"shl.b32 a, {spread}, 6;  shl.b32 b, {spread}, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;",
-                  times(out_low, scale),
-                  f"shl.b32 a, {spread}, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, {spread}, 8;  "
-                  f"and.b32 b, b, 0x80008000;  or.b32 a, a, b;",
-                  times(out_high, scale)]
+
+    def nibble(word: str, mask: str, spread: str, out: str, scale: str) -> str:
+        return (f"and.b32 a, {word}, {mask};  mul.lo.u32 a, a, {spread};  and.b32 a, a, 0x81C081C0;  "
+                + times(out, scale))
+    lines = ["{", ".reg .b32 w, v, a, c126;", "mov.b32 c126, 0x7E807E80;",
+             "prmt.b32 w, $4, 0, 0x3120;",            # bytes (0, 2, 1, 3): lanes b0 | b2 << 8 and b1 | b3 << 8
+             "shr.b32 v, w, 8;"]                      # the lanes' low bytes: b2 and b3
+    for word, out_low, out_high, scale in (("w", "$0", "$2", "$5"), ("v", "$1", "$3", "$6")):
+        lines += [nibble(word, "0x000F000F", "0x1040", out_low, scale),
+                  nibble(word, "0x00F000F0", "0x104", out_high, scale)]
     return "\n".join(lines + ["}"])
 
 
