@@ -128,7 +128,7 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # registers, 7 programs an SM, as decode_thin's); `--tiles bench/sweeps/stream.json --tokens 1,4,16,32` times it
 # against decode_thin's and decode's tiles, in a process of its own (a broken protocol traps, which ends the
 # process's CUDA context).
-# The Gluon (and wgmma) decode since 84553fb: a mask, one multiply and a mask a code pair instead of two shift pairs
+# The Gluon (and wgmma) decode after 02b848b: a mask, one multiply and a mask a code pair instead of two shift pairs
 # (`moe_mxfp4_gluon._quad_decode_ptx`; bit for bit the same values, checked on every byte, position and extreme
 # scale by the PTX interpreter test): offline sm_90 the 8-row gate/up loop is 378 instructions a step against 414,
 # at the same registers. Every GPU number above was taken with the decode it replaced.
