@@ -73,27 +73,27 @@ def _f16_code_scaled(bits):
 
 # Two packed bytes ($2, 16 bits) and their two bf16 scales ($3) -> the low-nibble codes ($0) and the high-nibble
 # codes ($1) as bf16 pairs, times the scale. prmt spreads the bytes to the two 16-bit halves of a register (t); a
-# code's three magnitude bits shifted to bits 6-8 of its half and its sign to bit 15 make the bf16 code * 2^-126
+# code's three magnitude bits moved to bits 6-8 of its half and its sign to bit 15 make the bf16 code * 2^-126
 # exactly (index 1, 0.5, is the subnormal 2^-127); x 2^126 restores the code and x the scale (2^(byte - 127),
-# 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the float32 path gives. The low
-# nibbles take one mask for both shifts: t << 6 has no bits at the sign positions (15, 31) and t << 12 none at the
-# magnitude ones (6-8, 22-24), so the or of the two masked once is the code; the high nibbles' t << 8 does carry
-# bits at 8 and 24 (the low nibbles' bit 0), so each shift is masked on its own. Two bytes per call: the 16-bit
-# operand is what the dot's A fragment holds in one register (four bytes per call made Triton gather bytes from
-# two rows with a prmt each), 5 instructions a code in the sm_90 decode-batch gate/up loop against about 11 for the
-# float32 path.
+# 2^-127 a subnormal) scales it, each product exact or the overflow's inf, as the float32 path gives. Each nibble,
+# masked alone in its half, reaches both places with one multiply: n * (2^6 + 2^12) for the low nibble (n << 6
+# fills bits 6-9, n << 12 bits 12-15: no shared bit, so no carry), the high nibble, already 4 bits up, times
+# 2^2 + 2^8; a mask keeps bits 15 and 6-8 of each half (3 instructions a pair of codes, where two shifts, an or
+# and a mask, or two shifts, two masks and an or, took 3 and 4). Two bytes per call: the 16-bit operand is what
+# the dot's A fragment holds in one register (four bytes per call made Triton gather bytes from two rows with a
+# prmt each).
 def _pair_decode_ptx(fold: bool) -> str:
     """The asm text; `fold`: the scale operand already carries the 2^126 (SCALE_FOLD), one multiply per pair."""
     times = ("mul.rn.bf16x2 {out}, a, $3;" if fold else "mul.rn.bf16x2 a, a, c126;  mul.rn.bf16x2 {out}, a, $3;")
     return "\n".join([
         "{",
-        ".reg .b32 t, a, b, c126;",
+        ".reg .b32 t, a, c126;",
         "mov.b32 c126, 0x7E807E80;",
         "cvt.u32.u16 t, $2;",
         "prmt.b32 t, t, 0, 0x4140;",
-        "shl.b32 a, t, 6;  shl.b32 b, t, 12;  or.b32 a, a, b;  and.b32 a, a, 0x81C081C0;",
+        "and.b32 a, t, 0x000F000F;  mul.lo.u32 a, a, 0x1040;  and.b32 a, a, 0x81C081C0;",
         times.format(out="$0"),
-        "shl.b32 a, t, 2;  and.b32 a, a, 0x01C001C0;  shl.b32 b, t, 8;  and.b32 b, b, 0x80008000;  or.b32 a, a, b;",
+        "and.b32 a, t, 0x00F000F0;  mul.lo.u32 a, a, 0x104;  and.b32 a, a, 0x81C081C0;",
         times.format(out="$1"),
         "}"])
 
