@@ -20,8 +20,9 @@ rewritten after every case so that a run cut short keeps what it finished.
 
 `--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name
 (absent fields take their defaults), each optionally with "tail": the fields of the tail blocks' tile (two block
-heights, `moe_blocks.split_tail_pairs`); only the cases of the classes it names run. `--tokens 1,512` picks the
-cases.
+heights, `moe_blocks.split_tail_pairs`); only the cases of the classes it names run. `--tiles A.json,B.json`
+sweeps several files' candidates in one process (one device call), each class's lists joined in order with
+repeats dropped. `--tokens 1,512` picks the cases.
 """
 from __future__ import annotations
 
@@ -103,11 +104,27 @@ def _smoke_tiles() -> dict[str, list]:
     return {name: [Candidate(t) for t in tiles] for name in ("decode_thin", "decode", "decode_batch", "mid", "prefill")}
 
 
-def tiles_from(path: str) -> dict[str, list]:
-    """`--tiles FILE`'s candidates by row class (see the module docstring), refused by name when malformed."""
+def tiles_from(paths: str) -> dict[str, list]:
+    """`--tiles FILE[,FILE...]`'s candidates by row class (see the module docstring), refused by name when
+    malformed; several files' lists joined per class in order, a candidate met twice kept once."""
+    out: dict[str, list] = {}
+    for path in paths.split(","):
+        for name, candidates in _tiles_file(path).items():
+            kept = out.setdefault(name, [])
+            kept += [c for i, c in enumerate(candidates) if c not in kept and c not in candidates[:i]]
+    return out
+
+
+def _tiles_file(path: str) -> dict[str, list]:
+    """One `--tiles` file's candidates by row class."""
     tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     classes = [name for _, name in load("kernels.triton.moe_mxfp4:MXFP4_ROW_CLASSES")]
-    spec = json.loads(Path(path).read_text())
+    try:
+        spec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"--tiles {path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--tiles {path}: not JSON ({exc})") from None
     if not isinstance(spec, dict) or not spec:
         raise SystemExit(f"--tiles {path}: expected a JSON object from row class ({', '.join(classes)}) to a list "
                          "of tiles")
@@ -320,8 +337,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--out", default=None, help="directory for the JSON results")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--phases", default="decode,prefill", help="decode, prefill or both (comma-separated)")
-    parser.add_argument("--tiles", default=None, help="JSON file of candidates by row class (replaces the built-in "
-                        "lists; only those classes' cases run)")
+    parser.add_argument("--tiles", default=None, help="JSON file(s), comma-separated, of candidates by row class "
+                        "(replaces the built-in lists; only those classes' cases run)")
     parser.add_argument("--tokens", default=None, help="comma-separated token counts (default: the built-in cases)")
     args = parser.parse_args(argv)
     require_interpreter(args.smoke, "bench.moe_mxfp4_sweep")

@@ -21,7 +21,7 @@
 #   bash scripts/gpu.sh mxfp4 [ARGS]          the moe_experts_mxfp4 conformance cases (bf16, fp32; CONFORMANCE=0
 #                                             skips them), then python -m bench.moe_mxfp4_sweep: every MXFP4 expert
 #                                             tile checked and timed at K3's shapes against the bf16 experts
-#                                             (--phases decode,prefill, --tiles FILE, --tokens N,...)
+#                                             (--phases decode,prefill, --tiles FILE[,FILE], --tokens N,...)
 #
 # Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
 # the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands

@@ -78,3 +78,21 @@ def test_every_sweep_file_parses_and_every_tile_passes_the_tile_rules(path):
                 except ValueError as exc:
                     refused.append(str(exc))
     assert bool(refused) == (path in RETIRED_SWEEPS), refused[:3]
+
+
+def test_several_tiles_files_join_per_class_in_order_without_repeats(tmp_path):
+    """`--tiles A,B`: one process for two pending sweeps (one device call); a tile named in both files, or twice in
+    one, runs once, where it first appeared."""
+    tile = dict(block_m=16, block_n=32, block_k=64, num_warps=1, num_stages=1)
+    other, third = dict(tile, swap=True), dict(tile, block_m=32)
+    (tmp_path / "a.json").write_text(json.dumps({"mid": [tile, other, tile], "decode": [tile]}))
+    (tmp_path / "b.json").write_text(json.dumps({"mid": [third, other], "prefill": [dict(tile, tail=tile)]}))
+    joined = moe_mxfp4_sweep.tiles_from(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}")
+    make = moe_mxfp4_sweep.load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    assert [c.tile for c in joined["mid"]] == [make(**tile), make(**other), make(**third)]
+    assert list(joined) == ["mid", "decode", "prefill"] and joined["prefill"][0].tail == make(**tile)
+    with pytest.raises(SystemExit, match="missing.json: no such file"):
+        moe_mxfp4_sweep.tiles_from(f"{tmp_path / 'a.json'},{tmp_path / 'missing.json'}")
+    (tmp_path / "c.json").write_text("{\"mid\": [")
+    with pytest.raises(SystemExit, match="c.json: not JSON"):
+        moe_mxfp4_sweep.tiles_from(str(tmp_path / "c.json"))
