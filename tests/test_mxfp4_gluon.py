@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from k3core.model.mxfp4 import _code_table, _scale_table
-from kernels.triton import moe_mxfp4
+from kernels.triton import moe_mxfp4, moe_mxfp4_tiles
 from tests.test_mxfp4_asm_decode import FOLD_SCALES, _all_scale_bits, _float_to_bf16, run_ptx
 from tests.test_mxfp4_ops import _random_experts
 from tests.test_offline_compile import K3_PACKED_EXPERTS, _python
 
 gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
-GLUON_TILE = moe_mxfp4.MXFP4_TILES_NVIDIA["decode"]
+GLUON_TILE = moe_mxfp4_tiles.GLUON_DECODE_TILE_NVIDIA          # the plain (unstreamed) Gluon decode tile
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])

@@ -160,12 +160,18 @@ SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
                          scaled=False, half_math=False, gemv=False, prefetch=False, asm_decode=True, natural_k=False,
                          presplit=True, stacked=True, tail_m=32),
 }
+# The adopted 2026-12-05 sweeps at 8eaf6f9 (bench/results/moe-mxfp4-{wgmma-prefill,rows128,stream}-nvidia-h200.*):
+# stream for both Gluon decode classes (1 token 2.51x the bf16 experts against 2.42x unstreamed in the same run, 4
+# tokens 2.86x / 2.77x, 16 tokens 2.89x / 2.83x), the wgmma 64 + 32 tile at 4 stages for prefill (16K routed rows
+# 0.90x against the swap tile's 0.82x, 8K 1.27x against 1.08x).
+WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True,
+                                      asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72),
-    "decode": GLUON_DECODE_TILE_NVIDIA,
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
+    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
     "mid": SWAP_TILES_NVIDIA["mid"],
-    "prefill": SWAP_TILES_NVIDIA["prefill"],
+    "prefill": WGMMA_PREFILL_TILE_NVIDIA,
 }
 
 
