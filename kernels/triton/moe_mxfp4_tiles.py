@@ -163,14 +163,18 @@ SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 # The adopted 2026-12-05 sweeps at 8eaf6f9 (bench/results/moe-mxfp4-{wgmma-prefill,rows128,stream}-nvidia-h200.*):
 # stream for both Gluon decode classes (1 token 2.51x the bf16 experts against 2.42x unstreamed in the same run, 4
 # tokens 2.86x / 2.77x, 16 tokens 2.89x / 2.83x), the wgmma 64 + 32 tile at 4 stages for prefill (16K routed rows
-# 0.90x against the swap tile's 0.82x, 8K 1.27x against 1.08x).
+# 0.90x against the swap tile's 0.82x, 8K 1.27x against 1.08x) and 32 + 16 at 4 stages for mid (256 tokens 1.59x
+# against 1.42x; bench/results/moe-mxfp4-mid-wgmma-nvidia-h200.*). Not adopted: 128-row Gluon programs (1 token
+# 2.13-2.24x against 2.45x, 32 tokens 2.46x against 2.49x, 64 tokens 2.04x with 16-row blocks against the swap
+# tile's 2.02x: a tie), and for decode_batch the wgmma 16-row tile (2.04x, the same tie); 128 + 32 and 128 + 64
+# prefill blocks (one program an SM: 0.69-0.71x at 16K), 256-row blocks (0.56x).
 WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True,
                                       asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
-    "mid": SWAP_TILES_NVIDIA["mid"],
+    "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
     "prefill": WGMMA_PREFILL_TILE_NVIDIA,
 }
 
