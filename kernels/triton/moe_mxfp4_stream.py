@@ -30,8 +30,9 @@ launch after this kernel, so it sees the zeros. The counters (`stream_counters`)
 stream, zeroed once when made. No counter is shared by the whole grid: an address takes one block's gate/up
 increments or down count-outs, and the polls of that block's down programs.
 
-Never run on a GPU yet (written in a session with no device): the sweep (bench/sweeps/stream.json) checks it
-against float64, the extreme scales and a repeated call before timing it.
+First run on the H200 at 8eaf6f9 (bench/results/moe-mxfp4-stream-nvidia-h200.*): checked against float64, the
+extreme scales, a repeated call and the zeroed counters, then 2.51x the bf16 experts at one token against 2.42x
+unstreamed in the same run; both Gluon decode classes use it since.
 """
 from __future__ import annotations
 

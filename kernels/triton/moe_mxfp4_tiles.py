@@ -61,11 +61,11 @@ class Mxfp4Tile(NamedTuple):
     #                                tail_m a second wgmma takes the tail rows from the same decoded registers),
     #                                block_n 64, block_k 128, 4 warps, num_stages 3-5 (stages of weight bytes and x
     #                                rows in shared memory, within 224 KiB), K and I multiples of 128; x and hidden
-    #                                in `moe_mxfp4_wgmma.kappa_columns` order. Not yet run on a GPU
+    #                                in `moe_mxfp4_wgmma.kappa_columns` order (sm_90's mid and prefill tiles)
     stream: bool = False           # gluon only, NVIDIA sm_90+: gate/up and down as a streamed pair (gate/up's
     #                                programs block-major, down launched by programmatic dependent launch and each
     #                                program waiting on its own row block's counter, not the whole gate/up grid:
-    #                                `kernels.triton.moe_mxfp4_stream`). Not yet run on a GPU
+    #                                `kernels.triton.moe_mxfp4_stream`; sm_90's decode tiles)
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
@@ -119,24 +119,21 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # programs) fits one wave of 924. 6% less time at 1 token in both runs (2.37x / 2.23x the bf16 experts), +-1% at 4
 # and 8, 1-2.5% more at 16 and 32 (the spill), hence a class of its own.
 # wgmma tiles (`kernels.triton.moe_mxfp4_wgmma`, 3f0f6e4..76e2fb7): blocks of up to 256 rows, one decode of each
-# weight tile for all of them, the next step decoded under this step's wgmma. Compiled offline for sm_90 only; no GPU
-# was lent that session, so no class uses them yet: `python -m bench.moe_mxfp4_sweep --tiles
-# bench/sweeps/wgmma.json --tokens 512,1024`, then `--tokens 32,64,256`, checks and times them against the entries
-# below (two device calls: each new tile is two Gluon compiles on the device).
+# weight tile for all of them, the next step decoded under this step's wgmma; first run and adopted for mid and
+# prefill at 8eaf6f9 / 7d819a0 (below).
 # stream (`kernels.triton.moe_mxfp4_stream`): the decode classes' Gluon pair with down waiting per row block instead
-# of at the kernel boundary (the one-token lever the last PDL run left). Compiled offline for sm_90 only (72
-# registers, 7 programs an SM, as decode_thin's); `--tiles bench/sweeps/stream.json --tokens 1,4,16,32` times it
-# against decode_thin's and decode's tiles, in a process of its own (a broken protocol traps, which ends the
-# process's CUDA context).
+# of at the kernel boundary (the one-token lever the last PDL run left), 72 registers and 7 programs an SM as
+# decode_thin's; adopted at 8eaf6f9 (below). Sweep it in a process of its own: a broken protocol traps, which ends
+# the process's CUDA context.
 # The Gluon (and wgmma) decode after 02b848b: a mask, one multiply and a mask a code pair instead of two shift pairs
 # (`moe_mxfp4_gluon._quad_decode_ptx`; bit for bit the same values, checked on every byte, position and extreme
 # scale by the PTX interpreter test): offline sm_90 the 8-row gate/up loop is 378 instructions a step against 414,
-# at the same registers. Every GPU number above was taken with the decode it replaced.
+# at the same registers. The GPU numbers above were taken with the decode it replaced; those below with it.
 # 128-row Gluon programs (block_n 128; down_block_n 64 or 128 for the down kernel): each x fragment a warp loads
 # feeds two m16 weight tiles, for the L1 pressure the 32-64-token profile showed (x is every warp's B operand).
 # Offline sm_90: 128 registers (4 programs an SM) for 8-row blocks, 168 for 16 (128 under a cap, with 24-56 bytes
-# of stack); 7% fewer loop instructions per weight row, and x loads per weight byte halved. Never run on a GPU:
-# `--tiles bench/sweeps/rows128.json --tokens 1,16,32,64` checks and times them against the class entries below.
+# of stack); 7% fewer loop instructions per weight row, and x loads per weight byte halved. Run at 8eaf6f9: not
+# adopted (below).
 # Gluon runs only whole 256-column steps in bf16 (wgmma: 128): other shapes and dtypes take the class's swap tile
 # (`SWAP_TILES_NVIDIA`, `mxfp4_tile`).
 # half_math and asm_decode decode to bf16: an fp16 call drops both (`mxfp4_tile`) and takes the swap kernel's

@@ -30,8 +30,10 @@ wait a step).
 
 Scope: bf16 x, K and I multiples of 128, block_m a power of two in [16, 256], tail_m 0 or a power of two in [16,
 block_m]. Never run in the interpreter (Gluon has none): CI compiles these kernels offline for sm_90, and the GPU
-sweep checks them against float64 first. Not yet run on a GPU (no device was lent in the sessions that wrote
-them).
+sweep checks them against float64 first. First run on the H200 at 8eaf6f9
+(bench/results/moe-mxfp4-wgmma-prefill-nvidia-h200.*, moe-mxfp4-mid-wgmma-nvidia-h200.*): 64 + 32 rows at 4 stages
+0.90x the bf16 experts at 16K routed rows (the swap tile 0.82x), 32 + 16 at 4 stages 1.59x at 256 tokens (1.42x):
+the prefill and mid classes' tiles since.
 """
 from __future__ import annotations
 
