@@ -400,10 +400,12 @@ def test_moe_experts_empty_batch():
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,offset", [
     (1, 8, 32, 16, 0),            # k3-mini at BS=1
     (1, 16, 112, 16, 0),          # K3 at TP8, BS=1
-    (37, 8, 32, 16, 0),           # 296 pairs: several chunks, experts with several blocks
+    (37, 8, 32, 16, 0),           # 296 pairs (not a power of two), experts with several blocks
     (64, 4, 20, 64, 10),          # expert parallelism: ids outside [10, 30) belong to other ranks
-    (9, 3, 1000, 16, 0),          # 1024-wide expert tiles, chunks of 16
+    (9, 3, 1000, 16, 0),          # 1024-wide expert tiles
     (5, 2, 3, 4, 0),              # more pairs per expert than a block
+    (64, 16, 112, 16, 0),         # K3 at 64 tokens: 1024 pairs, SMALL_BATCH_PAIRS, all held at once
+    (3, 16, 112, 8, 40),          # the Gluon decode's 8-row blocks under expert parallelism
 ])
 def test_group_pairs_one_program_matches_the_torch_form(num_tokens, top_k, num_experts, block_m, offset):
     """The decode-sized Triton bookkeeping gives the torch form's blocks bit for bit, including idle blocks,
@@ -418,6 +420,13 @@ def test_group_pairs_one_program_matches_the_torch_form(num_tokens, top_k, num_e
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert moe_blocks.group_pairs_by_expert(expert_ids, offset, num_experts, block_m).sorted_pairs.equal(
         reference.sorted_pairs)
+
+
+def test_group_pairs_one_program_refuses_more_pairs_than_it_holds():
+    from kernels.triton import moe_blocks
+    too_many = torch.zeros(moe_blocks.SMALL_BATCH_PAIRS + 1, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 1024 pairs"):
+        moe_blocks.group_pairs_small(too_many, 0, 4, 16)
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [

@@ -1,10 +1,10 @@
 """The MoE bookkeeping: (token, choice) pairs grouped by local expert into BLOCK_M-row blocks of one expert each.
 
 Two ways to the same `ExpertBlocks`, bit for bit:
-- `_group_pairs_kernel`, one Triton program, for decode-sized batches (up to SMALL_BATCH_PAIRS pairs). At BS=1
-  the torch form below is about fifteen small kernels per MoE layer (a radix sort, two searchsorted, a scan,
-  two scatters, fills and index arithmetic); in a k3-mini decode step under a CUDA graph those cost more than the
-  MoE routing itself (bench/results/model-k3-mini-nvidia-h200.md lists them).
+- `_group_pairs_kernel`, one Triton program holding every pair, for decode-sized batches (up to SMALL_BATCH_PAIRS
+  pairs). At BS=1 the torch form below is about fifteen small kernels per MoE layer (a radix sort, two searchsorted,
+  a scan, two scatters, fills and index arithmetic); in a k3-mini decode step under a CUDA graph those cost more
+  than the MoE routing itself (bench/results/model-k3-mini-nvidia-h200.md lists them).
 - the torch form (sort, searchsorted, cumsum, scatter on the device, no host sync) for everything larger.
 Pairs routed to experts of other ranks (expert parallelism) are dropped in both. `split_tail_pairs` cuts each
 expert's pairs past its whole blocks off for blocks of another height (the MXFP4 prefill's two block heights).
@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-# One program walks the pairs in chunks of <= 64, twice, so its time grows with the pairs while the torch form's
-# stays near its launch count. Measured on an H200 (k3-mini, 4c3ddb0): 5 us per call at 8 pairs (BS=1) against
-# ~45 us of torch kernels, and 64 x 8K decode (512 pairs per layer) 0.8 ms faster per step. Not timed between 1024
-# and 4096 pairs (a 512-token prefill chunk at top-8 is 4096), so prefill-sized batches keep the torch form.
+# One program holds every pair (a sort of up to 1024 keys). The form before it walked the pairs in chunks of <= 64,
+# twice, with cross-warp scans a chunk: on the H200 (2d1109e, bench/results/moe-mxfp4-nvidia-h200.md) 11 us per
+# call at 16 pairs and 125 us at 1024 (K3 at 64 tokens: 14% of the MXFP4 experts' step); at 4c3ddb0 it was 5 us at
+# 8 pairs against ~45 us of torch kernels. Not timed between 1024 and 4096 pairs (a 512-token prefill chunk at
+# top-8 is 4096), so prefill-sized batches keep the torch form.
 SMALL_BATCH_PAIRS = 1024
 MAX_KERNEL_EXPERTS = 1024
 
@@ -123,31 +124,23 @@ def group_pairs_torch(expert_ids: torch.Tensor, expert_offset: int, num_experts:
 
 
 @triton.jit
-def _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts,
-                 CHUNK: tl.constexpr):
-    """Pairs [start, start + CHUNK): their indices, which are this rank's, and the one-hot [CHUNK, E] of their
-    local expert."""
-    pairs = start + tl.arange(0, CHUNK)
-    local = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int64) - expert_offset
-    mine = (pairs < num_pairs) & (local >= 0) & (local < num_experts)
-    onehot = ((local[:, None] == experts[None, :]) & mine[:, None]).to(tl.int32)
-    return pairs, mine, onehot
-
-
-@triton.jit
 def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr,
                         num_pairs, expert_offset, num_experts, num_blocks,
-                        BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
                         FILL: tl.constexpr):
-    experts = tl.arange(0, E_BLOCK)
-    # 1. pairs per expert, then each expert's first row in the padded layout
-    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        _, _, onehot = _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts, CHUNK)
-        counts += tl.sum(onehot, 0)
+    """Every pair held at once (P_BLOCK >= num_pairs): one load of the expert ids, a histogram for the counts,
+    one sort of (expert, pair) keys for each pair's rank within its expert (stable: by pair index), gathers of its
+    expert's first rows."""
+    pairs = tl.arange(0, P_BLOCK)
+    real = pairs < num_pairs
+    local = tl.load(expert_ids_ptr + pairs, mask=real, other=-1).to(tl.int32) - expert_offset
+    mine = real & (local >= 0) & (local < num_experts)
+    # 1. pairs per expert, each expert's first pair in sorted order and first row in the padded layout
+    counts = tl.histogram(tl.where(mine, local, 0), E_BLOCK, mask=mine)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, 0)                                           # [E]
     padded_start = padded_end - padded
+    first_sorted = tl.cumsum(counts, 0) - counts
     capacity = num_blocks * BLOCK_M
 
     # 2. every row starts as padding; the barrier orders these stores before the pairs' stores below
@@ -156,40 +149,43 @@ def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row
         tl.store(sorted_pairs_ptr + rows, tl.full([FILL], 0, tl.int64) + num_pairs, mask=rows < capacity)
     tl.debug_barrier()
 
-    # 3. each pair's row: its expert's first row + how many earlier pairs went to the same expert
-    seen = tl.zeros([E_BLOCK], dtype=tl.int32)                                  # pairs placed per expert so far
-    for start in range(0, num_pairs, CHUNK):
-        pairs, mine, onehot = _local_chunk(expert_ids_ptr, start, num_pairs, expert_offset, num_experts, experts,
-                                           CHUNK)
-        before = tl.cumsum(onehot, 0) - onehot + seen[None, :]                  # [CHUNK, E] exclusive
-        rank = tl.sum(onehot * before, 1)                                       # [CHUNK]
-        first = tl.sum(onehot * padded_start[None, :], 1)
-        destination = tl.where(mine, first + rank, capacity).to(tl.int64)
-        tl.store(row_of_pair_ptr + pairs, destination, mask=pairs < num_pairs)
-        tl.store(sorted_pairs_ptr + destination, pairs.to(tl.int64), mask=mine)
-        seen += tl.sum(onehot, 0)
+    # 3. each pair's row: its expert's first row + its place among the expert's pairs (other ranks' pairs and the
+    # block's tail sort last, past every expert)
+    keys = tl.sort(tl.where(mine, local, E_BLOCK) * P_BLOCK + pairs)            # [P] by (expert, pair)
+    expert = keys // P_BLOCK
+    pair = keys % P_BLOCK
+    placed = expert < E_BLOCK
+    index = tl.where(placed, expert, 0)
+    rank = pairs - tl.gather(first_sorted, index, 0)                            # position in sorted order - first
+    destination = tl.where(placed, tl.gather(padded_start, index, 0) + rank, capacity).to(tl.int64)
+    tl.store(row_of_pair_ptr + pair, destination, mask=pair < num_pairs)
+    tl.store(sorted_pairs_ptr + destination, pair.to(tl.int64), mask=placed)
 
     # 4. each block's expert: how many experts' padded rows end at or before the block's first row (searchsorted)
-    real = experts < num_experts
+    experts = tl.arange(0, E_BLOCK)
+    live = experts < num_experts
     for block in range(0, num_blocks, FILL):
         blocks = block + tl.arange(0, FILL)
-        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & real[None, :]
+        ended = (padded_end[None, :] <= (blocks * BLOCK_M)[:, None]) & live[None, :]
         tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int64), 1), mask=blocks < num_blocks)
 
 
 def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
                       block_m: int) -> ExpertBlocks:
-    """`group_pairs_torch`'s result from one Triton program (any size works; meant for decode batches)."""
+    """`group_pairs_torch`'s result from one Triton program (at most SMALL_BATCH_PAIRS pairs: all held at once)."""
     flat = expert_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
+    if num_pairs > SMALL_BATCH_PAIRS or num_experts > MAX_KERNEL_EXPERTS:
+        raise ValueError(f"group_pairs_small: at most {SMALL_BATCH_PAIRS} pairs and {MAX_KERNEL_EXPERTS} experts, "
+                         f"got {num_pairs} and {num_experts}; use group_pairs_by_expert")
     num_blocks = num_expert_blocks(num_pairs, num_experts, block_m)
     device = flat.device
     sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=device)
     block_experts = torch.empty(num_blocks, dtype=torch.long, device=device)
     row_of_pair = torch.empty(num_pairs, dtype=torch.long, device=device)
     e_block = triton.next_power_of_2(max(num_experts, 16))
-    chunk = max(16, min(64, 8192 // e_block))                                   # [chunk, E] tiles of <= 8K
     _group_pairs_kernel[(1,)](flat, sorted_pairs, block_experts, row_of_pair, num_pairs, expert_offset,
-                              num_experts, num_blocks, BLOCK_M=block_m, E_BLOCK=e_block, CHUNK=chunk,
+                              num_experts, num_blocks, BLOCK_M=block_m, E_BLOCK=e_block,
+                              P_BLOCK=triton.next_power_of_2(max(num_pairs, 16)),
                               FILL=max(16, min(256, 8192 // e_block)), num_warps=4)
     return ExpertBlocks(sorted_pairs, block_experts, row_of_pair)
