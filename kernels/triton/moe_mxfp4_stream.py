@@ -95,7 +95,7 @@ def check_invariants(device: torch.device) -> None:
 
 
 def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
-    """int32 [2 n >= 2 num_blocks]: per row block, its finished gate/up programs and its counted-out down programs;
+    """int32 [2 MAX_BLOCKS]: per row block, its finished gate/up programs and its counted-out down programs;
     one buffer per device and stream, zero between streamed pairs (this module's notes). A graph capture's stream
     gets its own, which every graph captured on that stream bakes in: two such graphs must not replay at once (the
     engine replays one graph a step on one stream)."""
@@ -106,8 +106,8 @@ def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
         return torch.zeros(2 * num_blocks, dtype=torch.int32, device=device)
     key = (str(device), torch.cuda.current_stream(device).cuda_stream)
     counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < 2 * num_blocks:
-        counters = torch.zeros(max(8192, 2 * num_blocks), dtype=torch.int32, device=device)
+    if counters is None:    # sized once for the largest grid (512 KiB) and never replaced: a captured graph's stays live
+        counters = torch.zeros(2 * MAX_BLOCKS, dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
 
