@@ -106,7 +106,7 @@ def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
         return torch.zeros(2 * num_blocks, dtype=torch.int32, device=device)
     key = (str(device), torch.cuda.current_stream(device).cuda_stream)
     counters = _COUNTERS.get(key)
-    if counters is None:    # sized once for the largest grid (512 KiB) and never replaced: a captured graph's stays live
+    if counters is None:    # sized once for the largest grid (512 KiB), never replaced: captured graphs keep it
         counters = torch.zeros(2 * MAX_BLOCKS, dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
