@@ -189,16 +189,16 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
                       (num_blocks, inter_dim // 32), top_k, activation, situ_linear_beta is not None, tile.block_m,
                       tile.tail_m, tile.num_stages, fold, _registers(tile, x.device))
         return hidden
-    if tile.presplit:
-        x = presplit_columns(x, tile.block_k)
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
-        gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
-                                    situ_beta, situ_linear_beta),
+        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, gluon_columns  # noqa: PLC0415 (NVIDIA only)
+        gate_up_gluon(_gate_up_args(gluon_columns(x, tile.coalesced_x), w13_packed, w13_scale, hidden, blocks,
+                                    num_experts, hidden_dim, inter_dim, situ_beta, situ_linear_beta),
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      tile.block_n, fold, counters, _registers(tile, x.device))
+                      tile.block_n, fold, tile.coalesced_x, counters, _registers(tile, x.device))
         return hidden
+    if tile.presplit:
+        x = presplit_columns(x, tile.block_k)
     if tile.gemv:
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
             *_gate_up_args(x, _words(w13_packed), w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
@@ -253,7 +253,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, counters,
+                   num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, tile.coalesced_x, counters,
                    _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:

@@ -69,6 +69,9 @@ class Mxfp4Tile(NamedTuple):
     down_block_n: int = 0          # the down kernel's output columns per program (0: block_n). At one token K3's
     #                                down GEMM is 16 experts x 56 column blocks of 64 = 896 programs over 396
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
+    coalesced_x: bool = False      # gluon only: x and hidden stored so that a quarter warp's 16-byte loads of a token
+    #                                are 64 contiguous bytes, not four pieces 64 bytes apart
+    #                                (`moe_mxfp4_gluon.gluon_columns`); bit for bit the same products
 
     @property
     def height(self) -> int:
@@ -262,6 +265,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
                         or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
         raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
+    if tile.coalesced_x and not tile.gluon:
+        raise ValueError(f"moe_experts_mxfp4: coalesced_x is an option of the Gluon mma.sync decode kernels; set "
+                         f"gluon=True, got {tile}")
     if tile.stream and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
                          f"gluon=True, got {tile}")
