@@ -9,6 +9,7 @@ the extreme scales before timing them (bench/results/moe-mxfp4-gluon-nvidia-h200
 """
 from __future__ import annotations
 
+import itertools
 import re
 import textwrap
 
@@ -80,25 +81,26 @@ def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
 
 
 def test_gluon_columns_are_presplit_and_coalesced_places_hold_the_documented_columns():
-    """The host side of the kernels' x (and hidden) order: plain, the presplit order every presplit tile reads;
-    coalesced_x, within each half column j = 32t + 8c + r at 32c + 8t + r, so that thread t's c-th 16-byte piece
-    (8 columns) sits 64 bytes after its (c-1)-th and the four threads of a token read 64 contiguous bytes."""
+    """The host side of the kernels' x (and hidden) order (`_x_layout`): plain, the presplit order every presplit
+    tile reads; coalesced_x, the 8-column piece c of thread t's columns at 32c + 8t of its half, so that the four
+    threads of a token read 64 contiguous bytes a load. Thread t's pieces are columns 32t + 8c.. of the half, or
+    with coalesced_w (its weight bytes 16t.. and 64 + 16t..) 64q + 16t + 8h.. for piece c = 2q + h."""
     rows, num_k = 3, 512
     x = torch.arange(rows * num_k, dtype=torch.float32).view(rows, num_k)
-    assert torch.equal(gluon.gluon_columns(x, False), moe_mxfp4.presplit_columns(x, 256))
-    stored = gluon.gluon_columns(x, True)
-    for step in range(num_k // 256):
-        for odd in range(2):
-            for t in range(4):
-                for c in range(4):
-                    place = step * 256 + odd * 128 + 32 * c + 8 * t
-                    j = 32 * t + 8 * c + torch.arange(8)
-                    assert torch.equal(stored[:, place:place + 8], x[:, step * 256 + 2 * j + odd]), (step, odd, t, c)
+    assert torch.equal(gluon.gluon_columns(x, False, False), moe_mxfp4.presplit_columns(x, 256))
+    assert torch.equal(gluon.gluon_columns(x, False, True), moe_mxfp4.presplit_columns(x, 256))
+    for coalesced_w in (False, True):
+        stored = gluon.gluon_columns(x, True, coalesced_w)
+        for step, odd, t, c in itertools.product(range(num_k // 256), range(2), range(4), range(4)):
+            first = 64 * (c // 2) + 16 * t + 8 * (c % 2) if coalesced_w else 32 * t + 8 * c
+            j = first + torch.arange(8)
+            place = step * 256 + odd * 128 + 32 * c + 8 * t
+            assert torch.equal(stored[:, place:place + 8], x[:, step * 256 + 2 * j + odd]), (step, odd, t, c)
     with pytest.raises(ValueError, match="multiple of 256"):
-        gluon.gluon_columns(x[:, :384], True)
-    with pytest.raises(ValueError, match="coalesced_x is an option of the Gluon"):
-        moe_mxfp4.check_tile(moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA._replace(coalesced_x=True))
-    moe_mxfp4.check_tile(GLUON_TILE._replace(coalesced_x=True, stream=True))
+        gluon.gluon_columns(x[:, :384], True, False)
+    with pytest.raises(ValueError, match="coalesced_x and coalesced_w are options of the Gluon"):
+        moe_mxfp4.check_tile(moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA._replace(coalesced_w=True))
+    moe_mxfp4.check_tile(GLUON_TILE._replace(coalesced_x=True, coalesced_w=True, stream=True))
 
 
 def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
@@ -110,8 +112,8 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     programs of 4 warps an SM with 8-row blocks (the committed tile; 3 for the swap tile it replaced), 4 with 16,
     7 for decode_thin's 72-register cap (K3's one-token down grid, 896 programs, in one wave of 132 x 7) and 4 for
     128-row programs under a 128-register cap (a 64-row down kernel beside them keeps its 6); coalesced_x (16-row
-    blocks) as the plain 16-row kernels (its stored-order x tile maps onto the operand layout with no data
-    movement: `assert_trivial`)."""
+    blocks) and coalesced_w (8-row blocks, 128-row gate/up programs) as the plain kernels (their stored-order x
+    and weight tiles map onto the operand layouts with no data movement: `assert_trivial`)."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
@@ -119,9 +121,11 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
         for name, block_m, rows, down_rows, cap, tokens, max_scale in (
                 ("decode", 8, 64, 0, 0, 1, 120), ("decode", 8, 64, 0, 0, 16, 255), ("decode", 16, 64, 0, 0, 4, 120),
                 ("decode_thin", 8, 64, 0, 72, 1, 120), ("decode", 8, 128, 64, 0, 1, 120),
-                ("decode", 16, 128, 0, 128, 64, 255), ("coalesced", 16, 64, 0, 0, 64, 120)):
-            tile = MXFP4_TILES_NVIDIA[name if name != "coalesced" else "decode"]._replace(
-                block_m=block_m, block_n=rows, down_block_n=down_rows, maxnreg=cap, coalesced_x=name == "coalesced")
+                ("decode", 16, 128, 0, 128, 64, 255), ("coalesced", 16, 64, 0, 0, 64, 120),
+                ("coalesced_w", 8, 128, 64, 0, 1, 255)):
+            tile = MXFP4_TILES_NVIDIA[name if not name.startswith("coalesced") else "decode"]._replace(
+                block_m=block_m, block_n=rows, down_block_n=down_rows, maxnreg=cap,
+                coalesced_x=name.startswith("coalesced"), coalesced_w=name == "coalesced_w")
             with capture(target) as recorder:
                 ids = torch.arange(tokens * K).view(tokens, K) % E
                 moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
@@ -137,7 +141,7 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 14, lines
+    assert len(lines) == 16, lines
     for line in lines:
         name, block_m, rows, kernel, status, shared, occupancy = line.split()
         least = 4 if rows == "128" else 7 if name == "decode_thin" else 6 if block_m == "8" else 4

@@ -54,16 +54,20 @@ from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _rel
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
 
 
-def gluon_columns(t: torch.Tensor, coalesced: bool) -> torch.Tensor:
+def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> torch.Tensor:
     """[R, K] -> [R, K] in the order the kernels read x and hidden (K a multiple of 256): each 256 columns as [the
-    even ones | the odd ones] (`moe_mxfp4.presplit_columns`) and, `coalesced` (a tile's coalesced_x), within each
-    half column j = 32t + 8c + r at 32c + 8t + r (`_x_layout`). One copy through a permuted view (no index tensor:
-    the decode-sized calls run inside CUDA graphs)."""
+    even ones | the odd ones] (`moe_mxfp4.presplit_columns`) and, `coalesced_x` (a tile's), within each half
+    column j = 32t + 8c + r at 32c + 8t + r, or with `coalesced_w` j = 64q + 16t + 8h + r at 64q + 32h + 8t + r
+    (`_x_layout`). One copy through a permuted view (no index tensor: the decode-sized calls run inside CUDA
+    graphs)."""
     rows, num_k = t.shape
     if num_k % 256:
         raise ValueError(f"gluon_columns: K must be a multiple of 256, got {num_k}")
-    if not coalesced:
+    if not coalesced_x:
         return t.reshape(rows, num_k // 256, 128, 2).transpose(2, 3).reshape(rows, num_k)
+    if coalesced_w:
+        split = t.reshape(rows, num_k // 256, 2, 4, 2, 8, 2)         # column 2j + odd, j = 64q + 16t + 8h + r
+        return split.permute(0, 1, 6, 2, 4, 3, 5).reshape(rows, num_k)  # [R, step, odd, q, h, t, r]
     split = t.reshape(rows, num_k // 256, 4, 4, 8, 2)                # column 2j + odd, j = 32t + 8c + r
     return split.permute(0, 1, 5, 3, 2, 4).reshape(rows, num_k)      # [R, step, odd, c, t, r]
 
@@ -108,20 +112,33 @@ def _mma_layout():
 
 
 @gluon.constexpr_function
-def _bytes_layout(rows):
+def _bytes_layout(rows, coalesced_w):
     """[rows (64 or 128), 128 bytes]: thread 4g + t of warp w holds rows 16w + g and + 8 (and those + 64 at 128
-    rows: a second m16 tile against the same x), bytes 32t..32t+31."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]]
-                                      + ([[64, 0]] if rows == 128 else []),
+    rows: a second m16 tile against the same x), in two 16-byte pieces: plain bytes 32t..32t+31 (a quarter
+    warp's load: four pieces 32 bytes apart of each of two rows), COALESCED_W bytes 16t..16t+15 and 64 + 16t..
+    (64 contiguous bytes of each row)."""
+    second_tile = [[64, 0]] if rows == 128 else []
+    if coalesced_w:
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 64], [8, 0]] + second_tile,
+                                          lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, 128])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0]] + second_tile,
                                       lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, 128])
 
 
 @gluon.constexpr_function
-def _scale_layout(rows):
-    """[rows, 8 groups, 16 bytes]: the scale of each byte of `_bytes_layout(rows)`, held where that byte is."""
+def _scale_layout(rows, coalesced_w):
+    """[rows, 8 groups, 16 bytes]: the scale of each byte of `_bytes_layout(rows, coalesced_w)`, held where that
+    byte is (groups 2t and 2t + 1, or t and 4 + t)."""
+    second_tile = [[64, 0, 0]] if rows == 128 else []
+    if coalesced_w:
+        return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 4, 0],
+                                                     [8, 0, 0]] + second_tile,
+                                          lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                          warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 8, 16])
     return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [8, 0, 0]]
-                                      + ([[64, 0, 0]] if rows == 128 else []),
+                                      + second_tile,
                                       lane_bases=[[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
                                       warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[rows, 8, 16])
 
@@ -143,42 +160,55 @@ def _slice(dim, layout):
 
 
 @gluon.constexpr_function
-def _x_layout(block_m, coalesced):
+def _x_layout(block_m, coalesced_x, coalesced_w):
     """[128 stored columns of a presplit half, BLOCK_M tokens] as loaded: thread 4g + t holds token g (and g + 8 at
-    16 tokens) and the columns of its dot positions (`_kappa_cols`), columns j = 32t..32t+31 of the half. Plain,
-    they lie at 32t..32t+31: a quarter warp's 16-byte load touches four 16-byte pieces 64 bytes apart of each of
-    two tokens. COALESCED (`gluon_columns`), column j = 32t + 8c + r lies at 32c + 8t + r: the four threads of a
-    token read 64 contiguous bytes a load. Every warp holds the same."""
+    16 tokens) and the 32 columns j of its weight bytes (`_bytes_layout`; the dot positions of `_kappa_cols`),
+    in four 16-byte pieces: plain j = 32t + 8c + r, COALESCED_W j = 64q + 16t + 8h + r (piece c = 2q + h). Plain
+    x lies in that order, four pieces 16 (COALESCED_W: 16 or 48) bytes apart; COALESCED_X (`gluon_columns`) piece
+    c of thread t lies at 32c + 8t: the four threads of a token read 64 contiguous bytes a load. Every warp
+    holds the same."""
     tokens = [[0, 8]] if block_m == 16 else []
-    if coalesced:
-        return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [32, 0], [64, 0]] + tokens,
-                                          lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]],
-                                          warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[128, block_m])
-    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]] + tokens,
-                                      lane_bases=[[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
+    if coalesced_x:
+        regs, lanes = [[1, 0], [2, 0], [4, 0], [32, 0], [64, 0]], [[8, 0], [16, 0]]
+    elif coalesced_w:
+        regs, lanes = [[1, 0], [2, 0], [4, 0], [8, 0], [64, 0]], [[16, 0], [32, 0]]
+    else:
+        regs, lanes = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], [[32, 0], [64, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs + tokens, lane_bases=lanes + [[0, 1], [0, 2], [0, 4]],
                                       warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[128, block_m])
 
 
 @gluon.jit
-def _kappa_rows(tile, WEIGHT_ROWS: gl.constexpr):
-    """[WEIGHT_ROWS, 128] indexed by byte j = 32t + 4s + 2h + p -> indexed by dot position kappa = 16s + 8h + 2t + p."""
-    tile = tile.reshape([WEIGHT_ROWS, 4, 8, 2, 2])                 # [row, t, s, h, p]
-    return tile.permute([0, 2, 3, 1, 4]).reshape([WEIGHT_ROWS, 128])  # [row, s, h, t, p]
+def _kappa_rows(tile, WEIGHT_ROWS: gl.constexpr, COALESCED_W: gl.constexpr):
+    """[WEIGHT_ROWS, 128] indexed by byte j = 32t + 4s + 2h + p (COALESCED_W: j = 64q + 16t + 4s' + 2h + p with
+    s = 4q + s') -> indexed by dot position kappa = 16s + 8h + 2t + p."""
+    if COALESCED_W:
+        tile = tile.reshape([WEIGHT_ROWS, 2, 4, 4, 2, 2]).permute([0, 1, 3, 4, 2, 5])   # [row, q, s', h, t, p]
+    else:
+        tile = tile.reshape([WEIGHT_ROWS, 4, 8, 2, 2]).permute([0, 2, 3, 1, 4])         # [row, s, h, t, p]
+    return tile.reshape([WEIGHT_ROWS, 128])
 
 
 @gluon.jit
-def _stored_to_column(tile, BLOCK_M: gl.constexpr):
-    """A COALESCED x tile [128, BLOCK_M] indexed by stored place 32c + 8t + r -> indexed by its column j = 32t + 8c + r
-    (no data movement: thread t holds both)."""
-    tile = tile.reshape([4, 4, 8, BLOCK_M])                        # [c, t, r, token]
-    return tile.permute([1, 0, 2, 3]).reshape([128, BLOCK_M])      # [t, c, r, token]
+def _stored_to_column(tile, BLOCK_M: gl.constexpr, COALESCED_W: gl.constexpr):
+    """A COALESCED_X x tile [128, BLOCK_M] indexed by stored place -> indexed by column j (`_x_layout`; no data
+    movement: thread t holds both): place 32c + 8t + r holds j = 32t + 8c + r, or with COALESCED_W place
+    64q + 32h + 8t + r holds j = 64q + 16t + 8h + r."""
+    if COALESCED_W:
+        tile = tile.reshape([2, 2, 4, 8, BLOCK_M]).permute([0, 2, 1, 3, 4])    # [q, h, t, r, token] -> [q, t, h, r]
+    else:
+        tile = tile.reshape([4, 4, 8, BLOCK_M]).permute([1, 0, 2, 3])          # [c, t, r, token] -> [t, c, r]
+    return tile.reshape([128, BLOCK_M])
 
 
 @gluon.jit
-def _kappa_cols(tile, BLOCK_M: gl.constexpr):
+def _kappa_cols(tile, BLOCK_M: gl.constexpr, COALESCED_W: gl.constexpr):
     """`_kappa_rows` for the x operand [128, BLOCK_M] (K first)."""
-    tile = tile.reshape([4, 8, 2, 2, BLOCK_M])                     # [t, s, h, p, token]
-    return tile.permute([1, 2, 0, 3, 4]).reshape([128, BLOCK_M])   # [s, h, t, p, token]
+    if COALESCED_W:
+        tile = tile.reshape([2, 4, 4, 2, 2, BLOCK_M]).permute([0, 2, 3, 1, 4, 5])  # [q, t, s', h, p] -> [q, s', h, t]
+    else:
+        tile = tile.reshape([4, 8, 2, 2, BLOCK_M]).permute([1, 2, 0, 3, 4])        # [t, s, h, p] -> [s, h, t, p]
+    return tile.reshape([128, BLOCK_M])
 
 
 @gluon.jit
@@ -203,27 +233,28 @@ def _quad_decode(byte, scale, WEIGHT_ROWS: gl.constexpr, BYTES: gl.constexpr, by
 
 
 @gluon.jit
-def _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr):
+def _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr,
+                   COALESCED_W: gl.constexpr):
     """K step `step` of the WEIGHT_ROWS weight rows: (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand
     layout."""
     byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [WEIGHT_ROWS, 128] uint8
     scale = gl.load(scale_ptrs + step * 8)                                                 # [WEIGHT_ROWS, 8, 1]
-    low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS), SCALE_FOLD)
-    return (gl.convert_layout(_kappa_rows(low, WEIGHT_ROWS), _operand_layout(0), assert_trivial=True),
-            gl.convert_layout(_kappa_rows(high, WEIGHT_ROWS), _operand_layout(0), assert_trivial=True))
+    low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS, COALESCED_W), SCALE_FOLD)
+    return (gl.convert_layout(_kappa_rows(low, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True),
+            gl.convert_layout(_kappa_rows(high, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True))
 
 
 @gluon.jit
-def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr, COALESCED: gl.constexpr):
+def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
     """Presplit x (or hidden) columns [k_start, k_start + 256) of the block's rows: (even, odd) halves [128, BLOCK_M]
     in the B operand layout, padding rows zero."""
     even = gl.load(x_ptrs + k_start, mask=row_mask, other=0.0)
     odd = gl.load(x_ptrs + (k_start + 128), mask=row_mask, other=0.0)
-    if COALESCED:
-        even = _stored_to_column(even, BLOCK_M)
-        odd = _stored_to_column(odd, BLOCK_M)
-    return (gl.convert_layout(_kappa_cols(even, BLOCK_M), _operand_layout(1), assert_trivial=True),
-            gl.convert_layout(_kappa_cols(odd, BLOCK_M), _operand_layout(1), assert_trivial=True))
+    if COALESCED_X:
+        even = _stored_to_column(even, BLOCK_M, COALESCED_W)
+        odd = _stored_to_column(odd, BLOCK_M, COALESCED_W)
+    return (gl.convert_layout(_kappa_cols(even, BLOCK_M, COALESCED_W), _operand_layout(1), assert_trivial=True),
+            gl.convert_layout(_kappa_cols(odd, BLOCK_M, COALESCED_W), _operand_layout(1), assert_trivial=True))
 
 
 @gluon.jit
@@ -244,24 +275,24 @@ def _weight_pointers(packed_ptr, scale_ptr, expert, packed_expert_stride, packed
 
 
 @gluon.jit
-def _x_pointers(row_starts, BLOCK_M: gl.constexpr, COALESCED: gl.constexpr):
+def _x_pointers(row_starts, BLOCK_M: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
     """Pointers [128, BLOCK_M] to the first 128 stored columns of each of the block's rows (`row_starts`
     [BLOCK_M])."""
-    cols = gl.arange(0, 128, layout=_slice(1, _x_layout(BLOCK_M, COALESCED)))
-    starts = gl.convert_layout(row_starts, _slice(0, _x_layout(BLOCK_M, COALESCED)))
+    cols = gl.arange(0, 128, layout=_slice(1, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
+    starts = gl.convert_layout(row_starts, _slice(0, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
     return starts[None, :] + cols[:, None]
 
 
 @gluon.jit
 def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-            SCALE_FOLD: gl.constexpr, COALESCED: gl.constexpr):
+            SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
     """The [WEIGHT_ROWS, BLOCK_M] float32 product of the program's weight rows and its x (or hidden) rows over
     `steps` K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the
     odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles."""
     acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
     for step in range(0, steps):
-        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD)
-        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M, COALESCED)
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
+        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
         acc = mma_v2(low, even, acc)
         acc = mma_v2(high, odd, acc)
     return acc
@@ -273,7 +304,8 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
                          linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
                          HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr,
-                         SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED: gl.constexpr):
+                         SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
+                         COALESCED_W: gl.constexpr):
     """One (row block, WEIGHT_ROWS / 2 columns of I): gate and up rows stacked in one weight tile, the GLU in
     float32, stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
     STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
@@ -291,17 +323,20 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride,
                                              _stacked_rows(inter_dim, col, WEIGHT_ROWS), 128,
-                                             _bytes_layout(WEIGHT_ROWS), _scale_layout(WEIGHT_ROWS))
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED)))
+                                             _bytes_layout(WEIGHT_ROWS, COALESCED_W),
+                                             _scale_layout(WEIGHT_ROWS, COALESCED_W))
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
-    x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M, COALESCED)
+    x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M, COALESCED_X, COALESCED_W)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
-                  COALESCED)
+                  COALESCED_X, COALESCED_W)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block * BLOCK_M, col, num_pairs, inter_dim,
                                                  beta, linear_beta, WEIGHT_ROWS, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
-    half = cols % 256 // 2                                         # presplit order: [even | odd] a step
-    if COALESCED:                                                  # and column 32t + 8c + r at 32c + 8t + r
+    half = cols % 256 // 2                                         # presplit order: [even | odd] a step,
+    if COALESCED_X and COALESCED_W:                                # column 64q + 16t + 8h + r at 64q + 32h + 8t + r
+        half = half // 64 * 64 + half % 16 // 8 * 32 + half % 64 // 16 * 8 + half % 8
+    elif COALESCED_X:                                              # column 32t + 8c + r at 32c + 8t + r
         half = half % 32 // 8 * 32 + half // 32 * 8 + half % 8
     places = cols // 256 * 256 + cols % 2 * 128 + half
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
@@ -354,7 +389,8 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       counters_ptr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr, GATE_UP_COLS: gl.constexpr,
-                      SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED: gl.constexpr):
+                      SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
+                      COALESCED_W: gl.constexpr):
     """One (row block, WEIGHT_ROWS columns of D): (W2 hidden^T) [WEIGHT_ROWS, BLOCK_M] over I, stored in float32
     at the sorted rows; GATE_UP_COLS: the columns of I a gate/up program writes (STREAM's count);
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
@@ -365,15 +401,16 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, _down_rows(col_block, WEIGHT_ROWS),
-                                             128, _bytes_layout(WEIGHT_ROWS), _scale_layout(WEIGHT_ROWS))
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED)))
+                                             128, _bytes_layout(WEIGHT_ROWS, COALESCED_W),
+                                             _scale_layout(WEIGHT_ROWS, COALESCED_W))
+    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
-    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M, COALESCED)
+    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M, COALESCED_X, COALESCED_W)
     if STREAM:                                                     # set up, then wait for this block's hidden
         _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, GATE_UP_COLS))
         _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, WEIGHT_ROWS))
     acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
-                  COALESCED)
+                  COALESCED_X, COALESCED_W)
     cols = col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_slice(1, _mma_layout()))
     out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
@@ -381,24 +418,27 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
 
 
 def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
-                  block_m: int, rows: int, fold: bool, coalesced: bool, counters: torch.Tensor | None,
+                  block_m: int, rows: int, fold: bool, coalesced: tuple[bool, bool], counters: torch.Tensor | None,
                   options: dict) -> None:
     """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`, x in
-    `gluon_columns(x, coalesced)` order) of `rows` stacked weight rows a program (rows / 2 columns of I);
+    `gluon_columns(x, *coalesced)` order; `coalesced`: the tile's (coalesced_x, coalesced_w)) of `rows` stacked
+    weight rows a program (rows / 2 columns of I);
     `counters`: the streamed pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel."""
     col_blocks = inter_dim // (rows // 2)
     grid = (col_blocks, num_blocks) if counters is not None else (num_blocks, col_blocks)
     gate_up_gluon_kernel[grid](*args, counters, TOP_K=top_k, IS_SITU=activation == "situ",
                                HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, WEIGHT_ROWS=rows, SCALE_FOLD=fold,
-                               STREAM=counters is not None, COALESCED=coalesced, num_warps=4, **options)
+                               STREAM=counters is not None, COALESCED_X=coalesced[0], COALESCED_W=coalesced[1],
+                               num_warps=4, **options)
 
 
 def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows: int, gate_up_rows: int,
-               fold: bool, coalesced: bool, counters: torch.Tensor | None, options: dict) -> None:
+               fold: bool, coalesced: tuple[bool, bool], counters: torch.Tensor | None, options: dict) -> None:
     """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`) of `rows` columns of D a
     program, after a gate/up of `gate_up_rows` a program; with `counters` (the same buffer gate/up counted into) a
     programmatic dependent launch that waits per row block."""
     stream = {"launch_pdl": True} if counters is not None else {}
     down_gluon_kernel[(hidden_dim // rows * num_blocks,)](
         *args, counters, BLOCK_M=block_m, WEIGHT_ROWS=rows, GATE_UP_COLS=gate_up_rows // 2, SCALE_FOLD=fold,
-        STREAM=counters is not None, COALESCED=coalesced, num_warps=4, **stream, **options)
+        STREAM=counters is not None, COALESCED_X=coalesced[0], COALESCED_W=coalesced[1], num_warps=4, **stream,
+        **options)

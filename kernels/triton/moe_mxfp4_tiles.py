@@ -72,6 +72,9 @@ class Mxfp4Tile(NamedTuple):
     coalesced_x: bool = False      # gluon only: x and hidden stored so that a quarter warp's 16-byte loads of a token
     #                                are 64 contiguous bytes, not four pieces 64 bytes apart
     #                                (`moe_mxfp4_gluon.gluon_columns`); bit for bit the same products
+    coalesced_w: bool = False      # gluon only: each thread's two 16-byte pieces of a weight row 64 bytes apart, so a
+    #                                quarter warp's load of a row is 64 contiguous bytes, not four pieces 32 bytes
+    #                                apart (x and hidden follow: `moe_mxfp4_gluon._x_layout`)
 
     @property
     def height(self) -> int:
@@ -265,9 +268,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
                         or tile.tail_m & (tile.tail_m - 1) or tile.tail_m > tile.block_m):
         raise ValueError(f"moe_experts_mxfp4: tail_m is an option of the swap kernel's own decode (not scaled or "
                          f"natural_k) and must be a power of two in [16, block_m], got {tile}")
-    if tile.coalesced_x and not tile.gluon:
-        raise ValueError(f"moe_experts_mxfp4: coalesced_x is an option of the Gluon mma.sync decode kernels; set "
-                         f"gluon=True, got {tile}")
+    if (tile.coalesced_x or tile.coalesced_w) and not tile.gluon:
+        raise ValueError(f"moe_experts_mxfp4: coalesced_x and coalesced_w are options of the Gluon mma.sync decode "
+                         f"kernels; set gluon=True, got {tile}")
     if tile.stream and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
                          f"gluon=True, got {tile}")
