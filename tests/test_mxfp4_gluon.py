@@ -101,6 +101,10 @@ def test_gluon_columns_are_presplit_and_coalesced_places_hold_the_documented_col
     with pytest.raises(ValueError, match="coalesced_x and coalesced_w are options of the Gluon"):
         moe_mxfp4.check_tile(moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA._replace(coalesced_w=True))
     moe_mxfp4.check_tile(GLUON_TILE._replace(coalesced_x=True, coalesced_w=True, stream=True))
+    for tile in (moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA, GLUON_TILE):        # 16-row blocks of a gluon tile only
+        with pytest.raises(ValueError, match="half_blocks is an option of the Gluon"):
+            moe_mxfp4.check_tile(tile._replace(half_blocks=True))
+    moe_mxfp4.check_tile(GLUON_TILE._replace(block_m=16, half_blocks=True))
 
 
 def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
@@ -113,19 +117,21 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     7 for decode_thin's 72-register cap (K3's one-token down grid, 896 programs, in one wave of 132 x 7) and 4 for
     128-row programs under a 128-register cap (a 64-row down kernel beside them keeps its 6); coalesced_x (16-row
     blocks) and coalesced_w (8-row blocks, 128-row gate/up programs) as the plain kernels (their stored-order x
-    and weight tiles map onto the operand layouts with no data movement: `assert_trivial`)."""
+    and weight tiles map onto the operand layouts with no data movement: `assert_trivial`), and 16-row blocks
+    with both and half_blocks (each kernel holding the 8- and the 16-row product) at 5 programs an SM."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
-        for name, block_m, rows, down_rows, cap, tokens, max_scale in (
-                ("decode", 8, 64, 0, 0, 1, 120), ("decode", 8, 64, 0, 0, 16, 255), ("decode", 16, 64, 0, 0, 4, 120),
-                ("decode_thin", 8, 64, 0, 72, 1, 120), ("decode", 8, 128, 64, 0, 1, 120),
-                ("decode", 16, 128, 0, 128, 64, 255), ("coalesced", 16, 64, 0, 0, 64, 120),
-                ("coalesced_w", 8, 128, 64, 0, 1, 255)):
-            tile = MXFP4_TILES_NVIDIA[name if not name.startswith("coalesced") else "decode"]._replace(
-                block_m=block_m, block_n=rows, down_block_n=down_rows, maxnreg=cap,
-                coalesced_x=name.startswith("coalesced"), coalesced_w=name == "coalesced_w")
+        CX, CXW = dict(coalesced_x=True), dict(coalesced_x=True, coalesced_w=True)
+        for name, block_m, rows, down_rows, cap, tokens, max_scale, layout in (
+                ("decode", 8, 64, 0, 0, 1, 120, {}), ("decode", 8, 64, 0, 0, 16, 255, {}),
+                ("decode", 16, 64, 0, 0, 4, 120, {}), ("decode_thin", 8, 64, 0, 72, 1, 120, {}),
+                ("decode", 8, 128, 64, 0, 1, 120, {}), ("decode", 16, 128, 0, 128, 64, 255, {}),
+                ("coalesced", 16, 64, 0, 0, 64, 120, CX), ("coalesced", 8, 128, 64, 0, 1, 255, CXW),
+                ("half_blocks", 16, 64, 0, 0, 64, 120, dict(CXW, half_blocks=True))):
+            tile = MXFP4_TILES_NVIDIA["decode_thin" if name == "decode_thin" else "decode"]._replace(
+                block_m=block_m, block_n=rows, down_block_n=down_rows, maxnreg=cap, **layout)
             with capture(target) as recorder:
                 ids = torch.arange(tokens * K).view(tokens, K) % E
                 moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
@@ -141,9 +147,10 @@ def test_gluon_kernels_compile_for_sm90_with_no_shared_memory_staging():
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert len(lines) == 16, lines
+    assert len(lines) == 18, lines
     for line in lines:
         name, block_m, rows, kernel, status, shared, occupancy = line.split()
-        least = 4 if rows == "128" else 7 if name == "decode_thin" else 6 if block_m == "8" else 4
+        least = (4 if rows == "128" else 7 if name == "decode_thin" else 6 if block_m == "8"
+                 else 5 if name == "half_blocks" else 4)
         shared_bound = 4096 if rows == "64" else 512 * int(block_m)
         assert status == "ok" and int(shared) <= shared_bound and int(occupancy) >= least, line

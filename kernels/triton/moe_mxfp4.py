@@ -191,12 +191,12 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         return hidden
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, gluon_columns  # noqa: PLC0415 (NVIDIA only)
-        coalesced = (tile.coalesced_x, tile.coalesced_w)
-        gate_up_gluon(_gate_up_args(gluon_columns(x, *coalesced), w13_packed, w13_scale, hidden, blocks, num_experts,
-                                    hidden_dim, inter_dim, situ_beta, situ_linear_beta),
+        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, gluon_columns, kernel_shape  # noqa: PLC0415
+        x = gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
+        gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
+                                    situ_beta, situ_linear_beta),
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      tile.block_n, fold, coalesced, counters, _registers(tile, x.device))
+                      tile.block_n, fold, kernel_shape(tile), counters, _registers(tile, x.device))
         return hidden
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
@@ -252,10 +252,10 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         return rows_out
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import down_gluon  # noqa: PLC0415 (Gluon: NVIDIA only)
+        from kernels.triton.moe_mxfp4_gluon import down_gluon, kernel_shape  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
-                   num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold,
-                   (tile.coalesced_x, tile.coalesced_w), counters, _registers(tile, hidden.device))
+                   num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, kernel_shape(tile), counters,
+                   _registers(tile, hidden.device))
         return rows_out
     if tile.gemv:
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](

@@ -54,6 +54,11 @@ from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _rel
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
 
 
+def kernel_shape(tile) -> dict:
+    """A gluon tile's layout options as the kernels' constexprs (`moe_mxfp4_tiles.Mxfp4Tile`)."""
+    return {"COALESCED_X": tile.coalesced_x, "COALESCED_W": tile.coalesced_w, "HALF_BLOCKS": tile.half_blocks}
+
+
 def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> torch.Tensor:
     """[R, K] -> [R, K] in the order the kernels read x and hidden (K a multiple of 256): each 256 columns as [the
     even ones | the odd ones] (`moe_mxfp4.presplit_columns`) and, `coalesced_x` (a tile's), within each half
@@ -305,11 +310,12 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
                          HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr,
                          SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
-                         COALESCED_W: gl.constexpr):
+                         COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr):
     """One (row block, WEIGHT_ROWS / 2 columns of I): gate and up rows stacked in one weight tile, the GLU in
     float32, stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
     STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
-    may launch once every program has started, and each program counts itself done in its block's counter."""
+    may launch once every program has started, and each program counts itself done in its block's counter.
+    HALF_BLOCKS: a block whose rows past BLOCK_M / 2 are all padding runs the BLOCK_M / 2-row product."""
     if STREAM:
         _asm("griddepcontrol.launch_dependents;")
         block = gl.program_id(1)
@@ -325,14 +331,39 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                                              _stacked_rows(inter_dim, col, WEIGHT_ROWS), 128,
                                              _bytes_layout(WEIGHT_ROWS, COALESCED_W),
                                              _scale_layout(WEIGHT_ROWS, COALESCED_W))
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
+    args = (x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, block * BLOCK_M, col, x_row_stride,
+            hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta)
+    if HALF_BLOCKS and _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M):
+        _gate_up_rows(*args, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M // 2, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X,
+                      COALESCED_W)
+    else:
+        _gate_up_rows(*args, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X,
+                      COALESCED_W)
+    if STREAM:
+        _release_count(counters_ptr + 2 * block)
+
+
+@gluon.jit
+def _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M: gl.constexpr):
+    """Whether block `block`'s rows past BLOCK_M / 2 are all padding (an expert's real rows come first)."""
+    return gl.load(sorted_pairs_ptr + block * BLOCK_M + BLOCK_M // 2) >= num_pairs
+
+
+@gluon.jit
+def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, row0, col, x_row_stride,
+                  hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K: gl.constexpr,
+                  IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr, ROWS: gl.constexpr,
+                  WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr,
+                  COALESCED_W: gl.constexpr):
+    """Gate/up program `col` over the ROWS sorted rows from row0: the product, the GLU and the store."""
+    rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
-    x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, BLOCK_M, COALESCED_X, COALESCED_W)
-    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
+    x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, ROWS, COALESCED_X, COALESCED_W)
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W)
-    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, block * BLOCK_M, col, num_pairs, inter_dim,
-                                                 beta, linear_beta, WEIGHT_ROWS, BLOCK_M, IS_SITU, HAS_LINEAR_CLIP)
+    hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
+                                                 linear_beta, WEIGHT_ROWS, ROWS, IS_SITU, HAS_LINEAR_CLIP)
     half = cols % 256 // 2                                         # presplit order: [even | odd] a step,
     if COALESCED_X and COALESCED_W:                                # column 64q + 16t + 8h + r at 64q + 32h + 8t + r
         half = half // 64 * 64 + half % 16 // 8 * 32 + half % 64 // 16 * 8 + half % 8
@@ -341,8 +372,6 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     places = cols // 256 * 256 + cols % 2 * 128 + half
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
-    if STREAM:
-        _release_count(counters_ptr + 2 * block)
 
 
 @gluon.jit
@@ -390,12 +419,13 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       counters_ptr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr, GATE_UP_COLS: gl.constexpr,
                       SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
-                      COALESCED_W: gl.constexpr):
+                      COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr):
     """One (row block, WEIGHT_ROWS columns of D): (W2 hidden^T) [WEIGHT_ROWS, BLOCK_M] over I, stored in float32
     at the sorted rows; GATE_UP_COLS: the columns of I a gate/up program writes (STREAM's count);
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
     STREAM (`moe_mxfp4_stream`): launched while gate/up still runs, each program waits for its own row block's
-    gate/up programs only, and each block's last program zeroes the block's counters for the next call."""
+    gate/up programs only, and each block's last program zeroes the block's counters for the next call.
+    HALF_BLOCKS: as gate/up's."""
     block, col_block, expert = _down_program(block_experts_ptr, hidden_dim, WEIGHT_ROWS)
     if expert >= num_experts:
         return
@@ -403,42 +433,53 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                                              scale_expert_stride, scale_row_stride, _down_rows(col_block, WEIGHT_ROWS),
                                              128, _bytes_layout(WEIGHT_ROWS, COALESCED_W),
                                              _scale_layout(WEIGHT_ROWS, COALESCED_W))
-    rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _x_layout(BLOCK_M, COALESCED_X, COALESCED_W)))
-    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
-    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, BLOCK_M, COALESCED_X, COALESCED_W)
-    if STREAM:                                                     # set up, then wait for this block's hidden
+    if STREAM:                                                     # wait for this block's hidden
         _await_count(counters_ptr + 2 * block, gl.cdiv(inter_dim, GATE_UP_COLS))
         _count_out(counters_ptr + 2 * block, gl.cdiv(hidden_dim, WEIGHT_ROWS))
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
+    args = (hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, block * BLOCK_M, col_block,
+            hidden_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim)
+    if HALF_BLOCKS and _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M):
+        _down_rows_product(*args, BLOCK_M // 2, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+    else:
+        _down_rows_product(*args, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+
+
+@gluon.jit
+def _down_rows_product(hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, row0, col_block,
+                       hidden_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, ROWS: gl.constexpr,
+                       WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr,
+                       COALESCED_W: gl.constexpr):
+    """Down program `col_block` over the ROWS sorted rows from row0: the product and its float32 store."""
+    rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
+    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
+    h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, ROWS, COALESCED_X, COALESCED_W)
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W)
     cols = col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_slice(1, _mma_layout()))
-    out_rows = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=_slice(0, _mma_layout()))
+    out_rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]
     gl.store(rows_out_ptr + out_rows.to(gl.int64)[None, :] * rows_out_row_stride + cols[:, None], acc, mask=out_mask)
 
 
 def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
-                  block_m: int, rows: int, fold: bool, coalesced: tuple[bool, bool], counters: torch.Tensor | None,
+                  block_m: int, rows: int, fold: bool, shape: dict, counters: torch.Tensor | None,
                   options: dict) -> None:
-    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`, x in
-    `gluon_columns(x, *coalesced)` order; `coalesced`: the tile's (coalesced_x, coalesced_w)) of `rows` stacked
-    weight rows a program (rows / 2 columns of I);
+    """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`, x in `gluon_columns`
+    order) of `rows` stacked weight rows a program (rows / 2 columns of I); `shape`: `kernel_shape(tile)`;
     `counters`: the streamed pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel."""
     col_blocks = inter_dim // (rows // 2)
     grid = (col_blocks, num_blocks) if counters is not None else (num_blocks, col_blocks)
     gate_up_gluon_kernel[grid](*args, counters, TOP_K=top_k, IS_SITU=activation == "situ",
                                HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, WEIGHT_ROWS=rows, SCALE_FOLD=fold,
-                               STREAM=counters is not None, COALESCED_X=coalesced[0], COALESCED_W=coalesced[1],
-                               num_warps=4, **options)
+                               STREAM=counters is not None, num_warps=4, **shape, **options)
 
 
 def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows: int, gate_up_rows: int,
-               fold: bool, coalesced: tuple[bool, bool], counters: torch.Tensor | None, options: dict) -> None:
+               fold: bool, shape: dict, counters: torch.Tensor | None, options: dict) -> None:
     """`moe_mxfp4.down`'s launch for a gluon tile (`args`: `moe_mxfp4._down_args`) of `rows` columns of D a
     program, after a gate/up of `gate_up_rows` a program; with `counters` (the same buffer gate/up counted into) a
     programmatic dependent launch that waits per row block."""
     stream = {"launch_pdl": True} if counters is not None else {}
     down_gluon_kernel[(hidden_dim // rows * num_blocks,)](
         *args, counters, BLOCK_M=block_m, WEIGHT_ROWS=rows, GATE_UP_COLS=gate_up_rows // 2, SCALE_FOLD=fold,
-        STREAM=counters is not None, COALESCED_X=coalesced[0], COALESCED_W=coalesced[1], num_warps=4, **stream,
-        **options)
+        STREAM=counters is not None, num_warps=4, **stream, **shape, **options)

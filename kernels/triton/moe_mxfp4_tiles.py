@@ -75,6 +75,9 @@ class Mxfp4Tile(NamedTuple):
     coalesced_w: bool = False      # gluon only: each thread's two 16-byte pieces of a weight row 64 bytes apart, so a
     #                                quarter warp's load of a row is 64 contiguous bytes, not four pieces 32 bytes
     #                                apart (x and hidden follow: `moe_mxfp4_gluon._x_layout`)
+    half_blocks: bool = False      # gluon, block_m 16 only: a block whose rows 8-15 are all padding runs the 8-row
+    #                                product (half the MMAs and x loads); K3 at 64 tokens has 9.1 rows an expert
+    #                                on average and about 45% of its experts at 8 or fewer
 
     @property
     def height(self) -> int:
@@ -271,6 +274,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if (tile.coalesced_x or tile.coalesced_w) and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: coalesced_x and coalesced_w are options of the Gluon mma.sync decode "
                          f"kernels; set gluon=True, got {tile}")
+    if tile.half_blocks and not (tile.gluon and tile.block_m == 16):
+        raise ValueError(f"moe_experts_mxfp4: half_blocks is an option of the Gluon mma.sync decode kernels with "
+                         f"16-row blocks; set gluon=True and block_m=16, got {tile}")
     if tile.stream and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
                          f"gluon=True, got {tile}")
