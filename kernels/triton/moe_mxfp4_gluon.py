@@ -38,6 +38,15 @@ DRAM at 45% (bench/results/moe-mxfp4-model-nvidia-h200.md). At 128 rows each thr
 weights (rows + 64), and each x fragment it loads feeds both: half the x traffic per weight byte, half the
 programs, more registers a thread.
 
+Layout options for the 32-64-token L1 pressure (tile fields coalesced_x, coalesced_w, half_blocks; added at
+a49811c..0352b7f, not yet run on a GPU when written). The loads above move whole 16-byte pieces, but a quarter
+warp's x load touches four pieces 64 bytes apart of each of two tokens (16 cache lines a warp for 512 bytes), and
+its weight load four pieces 32 bytes apart of each of two rows. coalesced_x stores x and hidden so that the four
+threads of a token read 64 contiguous bytes (`gluon_columns`, `_x_layout`); coalesced_w gives each thread weight
+bytes 16t.. and 64 + 16t.. instead of 32t.. (a row's 64 contiguous bytes a quarter warp; K order and scales
+follow). Neither changes a product. half_blocks (16-row blocks): a block with at most 8 rows runs the 8-row
+product, half the MMAs and x loads; at 64 tokens about 45% of K3's experts have 8 or fewer rows.
+
 Never run in the interpreter: Gluon has none, so CI compiles these kernels offline and the GPU sweep checks them
 against float64 before timing.
 """
