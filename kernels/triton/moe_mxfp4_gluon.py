@@ -38,14 +38,14 @@ DRAM at 45% (bench/results/moe-mxfp4-model-nvidia-h200.md). At 128 rows each thr
 weights (rows + 64), and each x fragment it loads feeds both: half the x traffic per weight byte, half the
 programs, more registers a thread.
 
-Layout options for the 32-64-token L1 pressure (tile fields coalesced_x, coalesced_w, half_blocks; added at
-a49811c..0352b7f, not yet run on a GPU when written). The loads above move whole 16-byte pieces, but a quarter
-warp's x load touches four pieces 64 bytes apart of each of two tokens (16 cache lines a warp for 512 bytes), and
-its weight load four pieces 32 bytes apart of each of two rows. coalesced_x stores x and hidden so that the four
-threads of a token read 64 contiguous bytes (`gluon_columns`, `_x_layout`); coalesced_w gives each thread weight
-bytes 16t.. and 64 + 16t.. instead of 32t.. (a row's 64 contiguous bytes a quarter warp; K order and scales
-follow). Neither changes a product. half_blocks (16-row blocks): a block with at most 8 rows runs the 8-row
-product, half the MMAs and x loads; at 64 tokens about 45% of K3's experts have 8 or fewer rows.
+Layout options for the 32-64-token L1 pressure (tile fields coalesced_x, coalesced_w, half_blocks; not yet run on
+a GPU when written): a quarter warp's x load touches four 16-byte pieces 64 bytes apart of each of two tokens (16
+cache lines a warp for 512 bytes), its weight load four pieces 32 bytes apart of each of two rows. coalesced_x
+stores x and hidden so that the four threads of a token read 64 contiguous bytes (`gluon_columns`, `_x_layout`);
+coalesced_w (with coalesced_x) gives each thread weight bytes 16t.. and 64 + 16t.. instead of 32t.. (a row's 64
+contiguous bytes a quarter warp; K order and scales follow). Neither changes a product. half_blocks (16-row
+blocks): a block with at most 8 rows runs the 8-row product, half the MMAs and x loads; at 64 tokens about 45% of
+K3's experts have 8 or fewer rows.
 
 Never run in the interpreter: Gluon has none, so CI compiles these kernels offline and the GPU sweep checks them
 against float64 before timing.
@@ -177,15 +177,13 @@ def _slice(dim, layout):
 def _x_layout(block_m, coalesced_x, coalesced_w):
     """[128 stored columns of a presplit half, BLOCK_M tokens] as loaded: thread 4g + t holds token g (and g + 8 at
     16 tokens) and the 32 columns j of its weight bytes (`_bytes_layout`; the dot positions of `_kappa_cols`),
-    in four 16-byte pieces: plain j = 32t + 8c + r, COALESCED_W j = 64q + 16t + 8h + r (piece c = 2q + h). Plain
-    x lies in that order, four pieces 16 (COALESCED_W: 16 or 48) bytes apart; COALESCED_X (`gluon_columns`) piece
-    c of thread t lies at 32c + 8t: the four threads of a token read 64 contiguous bytes a load. Every warp
-    holds the same."""
+    in four 16-byte pieces: plain j = 32t + 8c + r, COALESCED_W j = 64q + 16t + 8h + r (piece c = 2q + h).
+    Plain x lies in that order, four pieces 16 bytes apart; COALESCED_X (`gluon_columns`) piece c of thread t lies
+    at 32c + 8t: the four threads of a token read 64 contiguous bytes a load. Every warp holds the same.
+    COALESCED_W comes only with COALESCED_X (`moe_mxfp4_tiles.check_tile`)."""
     tokens = [[0, 8]] if block_m == 16 else []
     if coalesced_x:
         regs, lanes = [[1, 0], [2, 0], [4, 0], [32, 0], [64, 0]], [[8, 0], [16, 0]]
-    elif coalesced_w:
-        regs, lanes = [[1, 0], [2, 0], [4, 0], [8, 0], [64, 0]], [[16, 0], [32, 0]]
     else:
         regs, lanes = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], [[32, 0], [64, 0]]
     return gl.DistributedLinearLayout(reg_bases=regs + tokens, lane_bases=lanes + [[0, 1], [0, 2], [0, 4]],

@@ -274,6 +274,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if (tile.coalesced_x or tile.coalesced_w) and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: coalesced_x and coalesced_w are options of the Gluon mma.sync decode "
                          f"kernels; set gluon=True, got {tile}")
+    if tile.coalesced_w and not tile.coalesced_x:
+        raise ValueError(f"moe_experts_mxfp4: coalesced_w reorders x as coalesced_x stores it; set coalesced_x=True "
+                         f"too, got {tile}")
     if tile.half_blocks and not (tile.gluon and tile.block_m == 16):
         raise ValueError(f"moe_experts_mxfp4: half_blocks is an option of the Gluon mma.sync decode kernels with "
                          f"16-row blocks; set gluon=True and block_m=16, got {tile}")
