@@ -68,17 +68,22 @@ class Row:
 
 def expert_weights(ctx: BenchContext, shape: dict) -> dict:
     """The experts of every case, built once, expert by expert on the device (the quantiser's temporaries for all
-    112 K3 experts at once would not fit): w13/w2 as (codes, scales) and their exact bf16 values."""
+    112 K3 experts at once would not fit): w13/w2 as (codes, scales) and their exact bf16 values. The 3.7G values
+    are drawn on the device from a seed the context's generator gives (drawn on the CPU they took 30-45 s of every
+    GPU process: moe-mxfp4-*-nvidia-h200.txt), so the seed still fixes them on a given device."""
     experts, latent, width = shape["experts"], shape["latent"], shape["width"]
     quantize = load("k3core.model.mxfp4:quantize_mxfp4")
     dequantize = load("k3core.model.mxfp4:dequantize_mxfp4")
+    seed = int(torch.randint(2 ** 62, (1,), generator=ctx.generator))
+    generator = torch.Generator(device=ctx.device).manual_seed(seed)
     packed = {}
     for name, rows, cols in (("w13", 2 * width, latent), ("w2", latent, width)):
         codes = torch.empty(experts, rows, cols // 2, dtype=torch.uint8, device=ctx.device)
         scale = torch.empty(experts, rows, cols // 32, dtype=torch.uint8, device=ctx.device)
         dense = torch.empty(experts, rows, cols, dtype=ctx.dtype, device=ctx.device)
         for expert in range(experts):
-            codes[expert], scale[expert] = quantize(ctx.randn(rows, cols, scale=cols ** -0.5, dtype=torch.float32))
+            values = torch.randn(rows, cols, generator=generator, device=ctx.device) * cols ** -0.5
+            codes[expert], scale[expert] = quantize(values)
             dense[expert] = dequantize(codes[expert], scale[expert]).to(ctx.dtype)
         packed[name], packed[name + "_dense"] = (codes, scale), dense
     return packed
