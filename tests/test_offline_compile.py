@@ -220,3 +220,30 @@ def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spill
     for line in lines:
         arch, block_m, kernel, status, stack, spills = line.split()
         assert status == "ok" and stack == "0" and spills == "0", line
+
+
+def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():
+    """`moe_blocks._group_pairs_kernel` (tl.histogram, tl.sort and tl.gather over every pair at once) is the MoE
+    bookkeeping of every decode-sized batch on every backend: it compiles for sm_90, sm_100, gfx942 and gfx950 at
+    one token of K3 (16 pairs, 112 local experts), at its largest batch (1024 pairs) and at its most experts (1024),
+    with no local-memory stack or VGPR spill."""
+    result = _python("""
+        import torch
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_blocks import MAX_KERNEL_EXPERTS, SMALL_BATCH_PAIRS, group_pairs_small
+        for arch in ("sm_90", "sm_100", "gfx942", "gfx950"):
+            target = offline_target(arch)
+            for pairs, experts in ((16, 112), (SMALL_BATCH_PAIRS, 112), (SMALL_BATCH_PAIRS, MAX_KERNEL_EXPERTS)):
+                with capture(target) as recorder:
+                    group_pairs_small(torch.zeros(pairs, dtype=torch.long), 0, experts, 16)
+                (_, launch), = recorder.launches
+                c = compile_launch(launch, target)
+                print(arch, pairs, experts, launch.kernel, c.error or "ok", c.resources.scratch_bytes,
+                      c.resources.spills or 0)
+    """)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 12, lines
+    for line in lines:
+        arch, pairs, experts, kernel, status, stack, spills = line.split()
+        assert kernel == "_group_pairs_kernel" and status == "ok" and stack == "0" and spills == "0", line
