@@ -22,6 +22,10 @@
 #                                             skips them), then python -m bench.moe_mxfp4_sweep: every MXFP4 expert
 #                                             tile checked and timed at K3's shapes against the bf16 experts
 #                                             (--phases decode,prefill, --tiles FILE[,FILE], --tokens N,...)
+#   bash scripts/gpu.sh mxfp4-bench [ARGS]    python -m bench.moe_mxfp4_bench (the MXFP4 expert op with its tuned tiles
+#                                             against the bf16 experts at K3's shapes, kernel profiles per case), then
+#                                             python -m bench.moe_mxfp4_model (k3-mini graph decode, MXFP4 against
+#                                             bf16 experts and the memory floor; MODEL_BENCH=0 skips it)
 #
 # Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
 # the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands
@@ -159,6 +163,19 @@ mxfp4() {
     sed -n '/^sweep took/,$p' "$OUT/mxfp4_sweep.log" | cut -c1-220
 }
 
+mxfp4_bench() {
+    run "${LIMIT:-240}" mxfp4_bench.log "$PY" -m bench.moe_mxfp4_bench --out "$OUT" "$@"
+    if [ "${MODEL_BENCH:-1}" != 0 ]; then
+        run "${LIMIT_MODEL:-240}" mxfp4_model.log "$PY" -m bench.moe_mxfp4_model --out "$OUT"
+    fi
+    [ "$DRY_RUN" = 1 ] && return 0
+    grep -hE "Traceback|Error:|refused" "$OUT/mxfp4_bench.log" "$OUT"/mxfp4_model.log 2>/dev/null | head -n 10 \
+        | cut -c1-220
+    for md in "$OUT"/moe-mxfp4-*.md; do
+        [ -e "$md" ] && sed -n '1,14p' "$md" | cut -c1-200
+    done
+}
+
 graphs() {
     run "${LIMIT:-300}" graphs.log "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_graphs.py -k on_the_gpu -rs
     [ "$DRY_RUN" = 1 ] && return 0
@@ -211,6 +228,8 @@ case "$command" in
         mkdir -p "$OUT"; environment; "$command" "$@" ;;
     serve-bench)
         mkdir -p "$OUT"; environment; serve_bench "$@" ;;
+    mxfp4-bench)
+        mkdir -p "$OUT"; environment; mxfp4_bench "$@" ;;
     -h|--help|help)
         usage ;;
     *)

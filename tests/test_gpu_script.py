@@ -29,6 +29,7 @@ SUBCOMMANDS = [
     ["tune", "moe"],
     ["tune", "ncu", "kda_decode_64"],
     ["mxfp4", "--tiles", "bench/sweeps/stream.json", "--tokens", "1,4"],
+    ["mxfp4-bench"],
 ]
 
 
@@ -82,3 +83,11 @@ def test_the_mxfp4_subcommand_skips_its_conformance_when_asked(tmp_path):
     assert "-m conformance" in _dry_run(args, tmp_path).stdout
     skipped = _dry_run(args, tmp_path, CONFORMANCE="0").stdout
     assert "-m conformance" not in skipped and "bench.moe_mxfp4_sweep" in skipped and "stream.json" in skipped
+
+
+def test_the_mxfp4_bench_subcommand_runs_the_op_and_the_model_bench_unless_asked(tmp_path):
+    """One call gives the issue's two MXFP4 benchmarks (the expert op at K3's shapes, k3-mini's decode)."""
+    both = _dry_run(["mxfp4-bench"], tmp_path).stdout
+    assert "bench.moe_mxfp4_bench" in both and "bench.moe_mxfp4_model" in both
+    alone = _dry_run(["mxfp4-bench"], tmp_path, MODEL_BENCH="0").stdout
+    assert "bench.moe_mxfp4_bench" in alone and "bench.moe_mxfp4_model" not in alone
