@@ -9,9 +9,11 @@ at 256, 512 and 1024 tokens = 4096 (the mid class), 8192 and 16384 routed rows) 
 (`moe_mxfp4.MXFP4_ROW_CLASSES`) runs the whole `moe_experts_mxfp4` op with that tile and is checked against the
 float64 reference (`kernels.torch.moe_mxfp4`, computed on the GPU in float64: exact decode, no overflow) on the
 case's own inputs, called a second time for the same output bit for bit, and run once on the conformance case's
-extreme scales (`ExtremesCheck`); a tile that fails a check (or does not compile or launch) is never timed. Checked tiles are timed as the bench times them (`bench.
-timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the bf16
-op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
+extreme scales (`ExtremesCheck`); a tile that fails a check (or does not compile or launch) is never timed. A
+tile whose fault ends the CUDA context (an illegal address, a trap) stops the sweep with what it finished written
+and the tile named, instead of failing every later call. Checked tiles are timed as the bench times them
+(`bench.timing`, CUDA events, do_bench median with the sweeps' budget; decode inside a CUDA graph), as is the
+bf16 op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
 Printed last: per case the tiles by time with the speed-up over bf16 and the packed bytes' fraction of copy
 bandwidth, then per row class the tile with the best geometric-mean time over the class's cases, as a `paste:`
@@ -200,6 +202,27 @@ def _is_decode(row_class: str) -> bool:
     return row_class.startswith("decode")
 
 
+class DeviceLost(Exception):
+    """A tile's fault ended the process's CUDA context: what the case finished (`results`, `bf16_ms`) and why."""
+
+    def __init__(self, results: list, bf16_ms: float, why: str):
+        super().__init__(why)
+        self.results, self.bf16_ms = results, bf16_ms
+
+
+def _device_lost(device: torch.device) -> str:
+    """'' while the device still runs work, else why not: a kernel fault (an illegal address, a trap) ends the
+    CUDA context, and every later call of the process would fail too."""
+    if device.type != "cuda":
+        return ""
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception as exc:  # noqa: BLE001  (any failure here means the context is gone)
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return ""
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if not torch.isfinite(got).all():
         return math.inf
@@ -256,6 +279,9 @@ def run_case(ctx, shape: dict, tokens: int, tiles: list, row_class: str, packed:
             results.append(Result(label, row_class, tokens, list(tile), "error", None, None, None, None,
                                   f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}", **extra))
             print(f"  {name}: error {results[-1].note}", flush=True)
+            lost = _device_lost(x.device)
+            if lost:
+                raise DeviceLost(results, bf16_ms, f"{name} ({label}) ended the CUDA context ({lost})") from exc
             continue
         if not error <= tolerance:
             results.append(Result(label, row_class, tokens, list(tile), "check failed", error, None, None, None,
@@ -372,16 +398,25 @@ def main(argv: list[str] | None = None) -> list[Result]:
     path = out / ("moe-mxfp4-sweep-" + ("smoke" if args.smoke else device.lower().replace(" ", "-")) + ".json")
     results: list[Result] = []
     bf16: dict[str, float] = {}
+    lost = None
     for t in tokens:
         cls = row_class(t * shape["top_k"], shape["experts"])
-        case_results, bf16_ms = run_case(ctx, shape, t, tiles[cls], cls, packed, ceilings.copy_tbps, timer,
+        try:
+            case_results, bf16_ms = run_case(ctx, shape, t, tiles[cls], cls, packed, ceilings.copy_tbps, timer,
                                              extremes)
+        except DeviceLost as exc:
+            case_results, bf16_ms, lost = exc.results, exc.bf16_ms, str(exc)
+            meta["aborted"] = f"{lost}: the tiles after it and the cases after this one did not run"
         results += case_results
         bf16[case_results[0].case] = bf16_ms
         path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],
                                     "winners": _winners(results)}, indent=2))
+        if lost:
+            break
     print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path}\n")
     print(summary(results, bf16))
+    if lost:
+        raise SystemExit(f"sweep stopped: {meta['aborted']}. Sweep the rest in a new process without that tile.")
     return results
 
 

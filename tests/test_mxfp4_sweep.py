@@ -96,3 +96,31 @@ def test_several_tiles_files_join_per_class_in_order_without_repeats(tmp_path):
     (tmp_path / "c.json").write_text("{\"mid\": [")
     with pytest.raises(SystemExit, match="c.json: not JSON"):
         moe_mxfp4_sweep.tiles_from(str(tmp_path / "c.json"))
+
+
+def test_a_tile_that_ends_the_cuda_context_stops_the_sweep_with_its_results_written(tmp_path, monkeypatch):
+    """After a kernel fault every later call of the process fails: the sweep stops at the faulting tile, names it,
+    and keeps the rows it finished (here the first smoke tile's), instead of filling the file with error rows."""
+    real = moe_mxfp4_sweep.load
+    faulted = []
+
+    def load(target):
+        fn = real(target)
+        if target == "kernels.triton.moe_mxfp4:moe_experts_mxfp4":
+            def op(*args, tile, **kw):
+                if tile.swap and not tile.split_x:                      # the second smoke tile faults
+                    faulted.append(tile)
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                return fn(*args, tile=tile, **kw)
+            return op
+        return fn
+
+    monkeypatch.setattr(moe_mxfp4_sweep, "load", load)
+    monkeypatch.setattr(moe_mxfp4_sweep, "_device_lost", lambda device: "AcceleratorError: illegal address"
+                        if faulted else "")
+    monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (3, 40))
+    with pytest.raises(SystemExit, match=r"sweep stopped: \(16, .*decode T=3\) ended the CUDA context"):
+        moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "moe-mxfp4-sweep-smoke.json").read_text())
+    assert [(r["case"], r["status"]) for r in data["results"]] == [("decode T=3", "ok"), ("decode T=3", "error")]
+    assert "did not run" in data["meta"]["aborted"] and len(faulted) == 1
