@@ -4,6 +4,10 @@
 random weights, once on the torch backend in float32 on the CPU (the reference) and once on the chosen backend
 and device in each dtype, and compares full-sequence logits (prompts of 1, 63 and 200 tokens) and 16-token
 greedy continuations through the engine (chunked prefill, recurrent decode, paged MLA). Writes PATH.json/.md.
+
+`--expert-format mxfp4` runs the same check on a K3-format checkpoint whose routed experts are stored as the
+published K3 stores them (MXFP4 `weight_packed` + `weight_scale`, compressed-tensors `quantization_config`): the
+loader keeps them packed, the backend runs its MXFP4 expert kernels, and the torch reference dequantises per call.
 """
 from __future__ import annotations
 
@@ -52,6 +56,19 @@ def smooth_routing_model(preset: str, directory: str) -> str:
         yaml.safe_dump(data, handle)
     return path
 PROMPT_LENGTHS = (1, 63, 200)
+GREEDY_TOKENS = 16
+EXPERT_FORMATS = ("bf16", "mxfp4")
+
+
+def mxfp4_checkpoint(model: str, directory: str) -> str:
+    """`model` (a YAML config) written to `directory` as a K3-format checkpoint with MXFP4 routed experts (random
+    weights, seed 11): both sides of the check load the same bytes, whatever device draws nothing."""
+    from k3core.config import ModelConfig
+    from k3core.model.checkpoint_writer import save_k3_checkpoint
+    from k3core.model.weights import init_random_weights
+    config = ModelConfig.from_yaml(model)
+    save_k3_checkpoint(init_random_weights(config, seed=11), config, directory, mxfp4_experts=True)
+    return directory
 
 
 def _versions() -> dict:
@@ -69,11 +86,16 @@ def _versions() -> dict:
     return info
 
 
-def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -> dict:
+def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny", expert_format: str = "bf16") -> dict:
+    import os
     import tempfile
 
     from k3core import LLM, SamplingParams
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {expert_format!r}")
     model = smooth_routing_model(preset, tempfile.mkdtemp())
+    if expert_format == "mxfp4":
+        model = mxfp4_checkpoint(model, os.path.join(os.path.dirname(model), "mxfp4-checkpoint"))
     generator = torch.Generator().manual_seed(int(time.time()))
     # The reference runs the torch references on the SAME device: preset weights are drawn with that device's
     # generator, so a CPU reference would hold other weights than a GPU run of the same seed.
@@ -81,7 +103,7 @@ def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -
                     memory_bytes=256 << 20)
     prompts = [torch.randint(0, reference.config.vocab_size, (n,), generator=generator).tolist()
                for n in PROMPT_LENGTHS]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     ref_tokens = [o.token_ids for o in reference.generate(prompts, params)]
     ref_logits = [reference.prompt_logits(p) for p in prompts]
     torch_bf16 = None
@@ -110,7 +132,9 @@ def run(backend: str, device: str, dtypes: list[str], preset: str = "k3-tiny") -
                         "torch_backend_bf16_error": torch_bf16,
                         "greedy_tokens_identical": same_tokens, "passed": passed,
                         "seconds": time.perf_counter() - start})
-    return {"model": f"{preset} with top-k = all experts", "backend": backend, "device": device,
+    described = f"{preset} with top-k = all experts" + (", MXFP4 experts from a K3-format checkpoint"
+                                                         if expert_format == "mxfp4" else "")
+    return {"model": described, "expert_format": expert_format, "backend": backend, "device": device,
             "versions": _versions(), "results": results}
 
 
@@ -136,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="float32,bfloat16")
     parser.add_argument("--report", default="conformance-model")
+    parser.add_argument("--expert-format", default="bf16", choices=EXPERT_FORMATS,
+                        help="mxfp4: the model as a K3-format checkpoint with MXFP4 routed experts")
     args = parser.parse_args(argv)
-    report = run(args.backend, args.device, args.dtype.split(","))
+    report = run(args.backend, args.device, args.dtype.split(","), expert_format=args.expert_format)
     write_report(report, args.report)
     for r in report["results"]:
         print(f"{args.backend} {r['dtype']}: worst relative logit error {r['worst_relative_error']:.2e} "

@@ -2,7 +2,8 @@
 # The GPU runs behind conformance/results/ and bench/results/, one subcommand each, from the repository root:
 #
 #   bash scripts/gpu.sh conformance [OPS]     every cuda provider (bf16, fp32) against the float64 references and the
-#                                             whole model against the torch backend; OPS (comma-separated, e.g.
+#                                             whole model against the torch backend, also from a K3-format
+#                                             checkpoint with MXFP4 experts; OPS (comma-separated, e.g.
 #                                             kda_decode,mla_decode) limits the op level to those ops
 #   bash scripts/gpu.sh graphs                the engine's CUDA-graph decode against eager (tests/test_engine_graphs.py)
 #   bash scripts/gpu.sh kernels [ARGS]        python -m bench.kernels: every kernel against its anchor (--only CASES,
@@ -91,10 +92,12 @@ conformance() {
     local ops_job=$!
     run "${LIMIT:-420}" model_check.log "$PY" -m conformance.model_check --backend cuda --device cuda \
         --dtype float32,bfloat16 --report "$OUT/model-cuda-h200"
+    run "${LIMIT:-420}" model_check_mxfp4.log "$PY" -m conformance.model_check --backend cuda --device cuda \
+        --dtype float32,bfloat16 --expert-format mxfp4 --report "$OUT/model-mxfp4-cuda-h200"
     wait $ops_job
     [ "$DRY_RUN" = 1 ] && return 0
     tail -n 40 "$OUT"/conformance*.log | cut -c1-220
-    tail -n 8 "$OUT/model_check.log"
+    tail -n 8 "$OUT/model_check.log" "$OUT/model_check_mxfp4.log"
 }
 
 kernels() {

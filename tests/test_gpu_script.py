@@ -57,6 +57,7 @@ def test_the_conformance_subcommand_limits_ops_when_asked(tmp_path):
     done = _dry_run(["conformance", "kda_decode,mla_decode"], tmp_path)
     assert re.findall(r"--op (\S+)", done.stdout) == ["kda_decode", "mla_decode"]
     assert "conformance.model_check" in done.stdout
+    assert "--expert-format mxfp4" in done.stdout                      # the whole model from packed experts too
     assert "--op" not in _dry_run(["conformance"], tmp_path).stdout
 
 
