@@ -308,3 +308,11 @@ def load_config(model: str | os.PathLike) -> ModelConfig:
     raise ConfigError(
         f"model {text!r} is neither a preset ({', '.join(list_checkpoint_presets() + list_presets())}) nor a "
         "checkpoint directory, YAML file or config.json that exists")
+
+
+if __name__ == "__main__":
+    # `python -m k3core.config --model k3 --tp 8` (the command issue 24 names) would otherwise exit 0 having printed
+    # nothing: the sizing report lives in k3core.sizing, and this command gives it too
+    from k3core.sizing import main
+
+    main()

@@ -100,9 +100,11 @@ def test_cli_prints_the_figures(capsys):
         sizing_main(["--model", "k3", "--tp", "7"])
 
 
-def test_documented_command_runs():
-    # `python -m k3core.sizing` is the command the README gives
-    done = subprocess.run([sys.executable, "-m", "k3core.sizing", "--model", "k3", "--tp", "8"],
+@pytest.mark.parametrize("module", ["k3core.sizing", "k3core.config"])
+def test_documented_command_runs(module):
+    # `python -m k3core.sizing` is the command the README gives; `python -m k3core.config` the one issue 24 names
+    # (it once exited 0 having printed nothing)
+    done = subprocess.run([sys.executable, "-m", module, "--model", "k3", "--tp", "8", "--gpu-memory", "288GB"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "total 2779.5B" in done.stdout
+    assert "total 2779.5B" in done.stdout and "plan: fits on 288.00 GB GPUs" in done.stdout
