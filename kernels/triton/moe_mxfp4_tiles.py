@@ -176,6 +176,10 @@ SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 # prefill blocks (one program an SM: 0.69-0.71x at 16K), 256-row blocks (0.56x).
 WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True,
                                       asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
+# Pending, never run on a GPU: coalesced_x, coalesced_w and half_blocks (and 16-row Gluon blocks capped at 80
+# registers: 6 programs an SM, 16-24 bytes of stack offline) for the 64-token gap, each class's tile beside them in
+# bench/sweeps/coalesced.json (`bash scripts/gpu.sh mxfp4 --tiles bench/sweeps/coalesced.json --tokens
+# 64,1,4,16,32,96`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
