@@ -55,6 +55,8 @@ def smooth_routing_model(preset: str, directory: str) -> str:
     with open(path, "w") as handle:
         yaml.safe_dump(data, handle)
     return path
+
+
 PROMPT_LENGTHS = (1, 63, 200)
 GREEDY_TOKENS = 16
 EXPERT_FORMATS = ("bf16", "mxfp4")
@@ -62,7 +64,7 @@ EXPERT_FORMATS = ("bf16", "mxfp4")
 
 def mxfp4_checkpoint(model: str, directory: str) -> str:
     """`model` (a YAML config) written to `directory` as a K3-format checkpoint with MXFP4 routed experts (random
-    weights, seed 11): both sides of the check load the same bytes, whatever device draws nothing."""
+    weights, seed 11, drawn on the CPU): both sides of the check load the same bytes from the files."""
     from k3core.config import ModelConfig
     from k3core.model.checkpoint_writer import save_k3_checkpoint
     from k3core.model.weights import init_random_weights
