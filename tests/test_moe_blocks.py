@@ -16,19 +16,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.triton import moe_blocks  # noqa: E402
+from poison_helpers import nan_poisoned_allocations  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
 @pytest.fixture(autouse=True)
-def poisoned_index_allocations(monkeypatch):
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(tensor):
-        return tensor if tensor.is_floating_point() else tensor.fill_(-123456)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+def poisoned_index_allocations():
+    with nan_poisoned_allocations():
+        yield
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,offset", [

@@ -7,7 +7,6 @@ ones (1, 15, 63, 64, 65 tokens, mixed varlen batches, empty batches, non-power-o
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import zlib
@@ -26,24 +25,9 @@ from kernels.torch import moe as ref_moe  # noqa: E402
 from kernels.torch import norm as ref_norm  # noqa: E402
 from kernels.triton import activation, attn_res, mla_decode, mla_prefill, moe_experts, moe_route, norm  # noqa: E402
 from kernels.triton import tuning_ops  # noqa: E402
+from poison_helpers import nan_poisoned_allocations  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-
-
-@contextlib.contextmanager
-def nan_poisoned_allocations():
-    """torch.empty / empty_like inside the block return NaN-filled floats (and -123456 integers)."""
-    original_empty, original_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-123456)
-
-    torch.empty = lambda *a, **k: poison(original_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: poison(original_empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = original_empty, original_empty_like
 
 
 def randn(*shape, scale=1.0, generator=None):
