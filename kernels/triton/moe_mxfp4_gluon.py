@@ -58,6 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.triton.activation import glu_f32
+from kernels.triton.moe_mxfp4 import presplit_columns
 from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _release_count
 
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
@@ -78,7 +79,7 @@ def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> torc
     if num_k % 256:
         raise ValueError(f"gluon_columns: K must be a multiple of 256, got {num_k}")
     if not coalesced_x:
-        return t.reshape(rows, num_k // 256, 128, 2).transpose(2, 3).reshape(rows, num_k)
+        return presplit_columns(t, 256)
     if coalesced_w:
         split = t.reshape(rows, num_k // 256, 2, 4, 2, 8, 2)         # column 2j + odd, j = 64q + 16t + 8h + r
         return split.permute(0, 1, 6, 2, 4, 3, 5).reshape(rows, num_k)  # [R, step, odd, q, h, t, r]
