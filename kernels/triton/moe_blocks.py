@@ -93,11 +93,16 @@ def num_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return busy + (num_pairs - busy) // block_m
 
 
+def one_program(num_pairs: int, num_experts: int) -> bool:
+    """Whether `group_pairs_by_expert` groups this many pairs with the one-program kernel."""
+    return num_pairs <= SMALL_BATCH_PAIRS and num_experts <= MAX_KERNEL_EXPERTS
+
+
 def group_pairs_by_expert(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
                           block_m: int) -> ExpertBlocks:
     """Sort the (token, choice) pairs by local expert (stable: by pair index within an expert) into BLOCK_M-row
     blocks of one expert each; one Triton program for decode-sized batches, torch otherwise (same result)."""
-    if expert_ids.numel() <= SMALL_BATCH_PAIRS and num_experts <= MAX_KERNEL_EXPERTS:
+    if one_program(expert_ids.numel(), num_experts):
         return group_pairs_small(expert_ids, expert_offset, num_experts, block_m)
     return group_pairs_torch(expert_ids, expert_offset, num_experts, block_m)
 
@@ -124,13 +129,14 @@ def group_pairs_torch(expert_ids: torch.Tensor, expert_offset: int, num_experts:
 
 
 @triton.jit
-def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr,
+def group_pairs_program(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr,
                         num_pairs, expert_offset, num_experts, num_blocks,
                         BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
                         FILL: tl.constexpr):
-    """Every pair held at once (P_BLOCK >= num_pairs): one load of the expert ids, a histogram for the counts,
-    one sort of (expert, pair) keys for each pair's rank within its expert (stable: by pair index), gathers of its
-    expert's first rows."""
+    """The grouping as one program's work (`_group_pairs_kernel`, and program 0 of
+    `moe_mxfp4_prologue`'s launch). Every pair held at once (P_BLOCK >= num_pairs): one load of the expert ids,
+    a histogram for the counts, one sort of (expert, pair) keys for each pair's rank within its expert (stable:
+    by pair index), gathers of its expert's first rows."""
     pairs = tl.arange(0, P_BLOCK)
     real = pairs < num_pairs
     local = tl.load(expert_ids_ptr + pairs, mask=real, other=-1).to(tl.int32) - expert_offset
@@ -170,9 +176,25 @@ def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row
         tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int64), 1), mask=blocks < num_blocks)
 
 
-def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
-                      block_m: int) -> ExpertBlocks:
-    """`group_pairs_torch`'s result from one Triton program (at most SMALL_BATCH_PAIRS pairs: all held at once)."""
+@triton.jit
+def _group_pairs_kernel(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr,
+                        num_pairs, expert_offset, num_experts, num_blocks,
+                        BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr,
+                        FILL: tl.constexpr):
+    group_pairs_program(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr, num_pairs,
+                        expert_offset, num_experts, num_blocks, BLOCK_M, E_BLOCK, P_BLOCK, FILL)
+
+
+class SmallGrouping(NamedTuple):
+    """A one-program grouping's launch (`small_grouping`): its arguments and constexprs, the blocks it fills."""
+    args: tuple                    # group_pairs_program's runtime arguments, in order
+    constexprs: dict               # BLOCK_M, E_BLOCK, P_BLOCK, FILL
+    blocks: ExpertBlocks           # the outputs, written by the launch
+
+
+def small_grouping(expert_ids: torch.Tensor, expert_offset: int, num_experts: int, block_m: int) -> SmallGrouping:
+    """The output buffers and launch parameters of `group_pairs_program` for these pairs (at most
+    SMALL_BATCH_PAIRS pairs and MAX_KERNEL_EXPERTS experts: all held at once)."""
     flat = expert_ids.reshape(-1).contiguous()
     num_pairs = flat.numel()
     if num_pairs > SMALL_BATCH_PAIRS or num_experts > MAX_KERNEL_EXPERTS:
@@ -180,12 +202,18 @@ def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts:
                          f"got {num_pairs} and {num_experts}; use group_pairs_by_expert")
     num_blocks = num_expert_blocks(num_pairs, num_experts, block_m)
     device = flat.device
-    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.long, device=device)
-    block_experts = torch.empty(num_blocks, dtype=torch.long, device=device)
-    row_of_pair = torch.empty(num_pairs, dtype=torch.long, device=device)
+    blocks = ExpertBlocks(torch.empty(num_blocks * block_m, dtype=torch.long, device=device),
+                          torch.empty(num_blocks, dtype=torch.long, device=device),
+                          torch.empty(num_pairs, dtype=torch.long, device=device))
     e_block = triton.next_power_of_2(max(num_experts, 16))
-    _group_pairs_kernel[(1,)](flat, sorted_pairs, block_experts, row_of_pair, num_pairs, expert_offset,
-                              num_experts, num_blocks, BLOCK_M=block_m, E_BLOCK=e_block,
-                              P_BLOCK=triton.next_power_of_2(max(num_pairs, 16)),
-                              FILL=max(16, min(256, 8192 // e_block)), num_warps=4)
-    return ExpertBlocks(sorted_pairs, block_experts, row_of_pair)
+    constexprs = {"BLOCK_M": block_m, "E_BLOCK": e_block, "P_BLOCK": triton.next_power_of_2(max(num_pairs, 16)),
+                  "FILL": max(16, min(256, 8192 // e_block))}
+    return SmallGrouping((flat, *blocks, num_pairs, expert_offset, num_experts, num_blocks), constexprs, blocks)
+
+
+def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts: int,
+                      block_m: int) -> ExpertBlocks:
+    """`group_pairs_torch`'s result from one Triton program (at most SMALL_BATCH_PAIRS pairs: all held at once)."""
+    grouping = small_grouping(expert_ids, expert_offset, num_experts, block_m)
+    _group_pairs_kernel[(1,)](*grouping.args, **grouping.constexprs, num_warps=4)
+    return grouping.blocks

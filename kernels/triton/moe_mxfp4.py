@@ -32,9 +32,10 @@ import triton
 
 from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation
-from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, split_tail_pairs
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, one_program, split_tail_pairs
 from kernels.triton.moe_experts import combine_expert_rows
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
+from kernels.triton.moe_mxfp4_prologue import group_pairs_and_columns
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are part of this module's API)
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
@@ -163,11 +164,15 @@ def _hidden_width(inter_dim: int, tile: Mxfp4Tile) -> int:
 
 def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, blocks: ExpertBlocks, top_k: int,
             activation: str, situ_beta: float | None, situ_linear_beta: float | None,
-            tile: Mxfp4Tile, fold: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
+            tile: Mxfp4Tile, fold: bool = False, counters: torch.Tensor | None = None,
+            ordered: bool = False) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten).
     `fold`: every scale byte is <= FOLD_MAX_SCALE (`scale_fold`). `counters`: a stream tile's, shared with the
-    `down` call that must follow (`_stream_counters`)."""
+    `down` call that must follow (`_stream_counters`). `ordered`: x is already in a gluon tile's column order
+    (`group_pairs_and_columns`)."""
     check_tile(tile)
+    if ordered and not tile.gluon:
+        raise ValueError(f"moe_experts_mxfp4: x in the Gluon kernels' column order is for a gluon tile, got {tile}")
     _check_stream(tile, counters)
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
@@ -192,7 +197,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, gluon_columns, kernel_shape  # noqa: PLC0415
-        x = gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
+        x = x if ordered else gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
@@ -309,8 +314,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
         args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
                 situ_linear_beta, fold)
         if chunk_tail is None:
-            blocks = group_pairs_by_expert(ids, expert_offset, num_experts, chunk_tile.height)
-            rows_out, row_of_pair = _expert_rows(*args, blocks, chunk_tile), blocks.row_of_pair
+            rows_out, row_of_pair = _one_height_rows(*args, ids, expert_offset, num_experts, chunk_tile)
         else:
             rows_out, row_of_pair = _two_height_rows(*args, ids, expert_offset, num_experts, chunk_tile, chunk_tail)
         combine_expert_rows(rows_out, row_of_pair, weights[start:end], ids, expert_offset, num_experts,
@@ -318,11 +322,29 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     return out
 
 
+def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
+                     situ_linear_beta, fold, expert_ids, expert_offset: int, num_experts: int,
+                     tile: Mxfp4Tile) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both GEMMs over blocks of `tile`'s height: the rows and each pair's row in them. A prologue tile groups the
+    pairs and orders x in one launch where the grouping is the one-program kernel; gate_up orders x otherwise."""
+    ordered = tile.prologue and one_program(expert_ids.numel(), num_experts)
+    if ordered:
+        _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
+        blocks, x = group_pairs_and_columns(expert_ids, expert_offset, num_experts, tile.height, x, tile.coalesced_x,
+                                            tile.coalesced_w)
+    else:
+        blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, tile.height)
+    rows_out = _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
+                            situ_linear_beta, fold, blocks, tile, ordered=ordered)
+    return rows_out, blocks.row_of_pair
+
+
 def _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta,
-                 fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None) -> torch.Tensor:
+                 fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None,
+                 ordered: bool = False) -> torch.Tensor:
     counters = _stream_counters(tile, x.device, blocks.block_experts.numel())
     hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold,
-                     counters)
+                     counters, ordered)
     return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out, counters)
 
 

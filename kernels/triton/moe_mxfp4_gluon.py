@@ -59,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels.triton.activation import glu_f32
 from kernels.triton.moe_mxfp4 import presplit_columns
+from kernels.triton.moe_mxfp4_prologue import stored_column
 from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _release_count
 
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
@@ -352,18 +353,6 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
 
 
 @gluon.jit
-def _stored_place(j, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
-    """Where column j of a presplit half lies in the kernels' x and hidden (`gluon_columns`, `_x_layout`). Plain
-    arithmetic only, so that a CPU test can run it on a torch tensor (`.fn`)."""
-    place = j
-    if COALESCED_X and COALESCED_W:                                # j = 64q + 16t + 8h + r at 64q + 32h + 8t + r
-        place = j // 64 * 64 + j % 16 // 8 * 32 + j % 64 // 16 * 8 + j % 8
-    elif COALESCED_X:                                              # j = 32t + 8c + r at 32c + 8t + r
-        place = j % 32 // 8 * 32 + j // 32 * 8 + j % 8
-    return place
-
-
-@gluon.jit
 def _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M: gl.constexpr):
     """Whether block `block`'s rows past BLOCK_M / 2 are all padding (an expert's real rows come first)."""
     return gl.load(sorted_pairs_ptr + block * BLOCK_M + BLOCK_M // 2) >= num_pairs
@@ -384,7 +373,7 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
                   COALESCED_X, COALESCED_W)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
                                                  linear_beta, WEIGHT_ROWS, ROWS, IS_SITU, HAS_LINEAR_CLIP)
-    places = cols // 256 * 256 + cols % 2 * 128 + _stored_place(cols % 256 // 2, COALESCED_X, COALESCED_W)
+    places = stored_column(cols, COALESCED_X, COALESCED_W)
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
 

@@ -78,6 +78,10 @@ class Mxfp4Tile(NamedTuple):
     half_blocks: bool = False      # gluon, block_m 16 only: a block whose rows 8-15 are all padding runs the 8-row
     #                                product (half the MMAs and x loads); K3 at 64 tokens has 9.1 rows an expert
     #                                on average and about 45% of its experts at 8 or fewer
+    prologue: bool = False         # gluon only: the pairs' grouping and x's copy into the kernels' column order in
+    #                                one launch, side by side (`kernels.triton.moe_mxfp4_prologue`), where the
+    #                                grouping is the one-program kernel (<= moe_blocks.SMALL_BATCH_PAIRS pairs);
+    #                                bit for bit the same blocks and x
 
     @property
     def height(self) -> int:
@@ -177,9 +181,10 @@ SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True,
                                       asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
 # Pending, never run on a GPU: coalesced_x, coalesced_w and half_blocks (and 16-row Gluon blocks capped at 80
-# registers: 6 programs an SM, 16-24 bytes of stack offline) for the 64-token gap, each class's tile beside them in
-# bench/sweeps/coalesced.json (`bash scripts/gpu.sh mxfp4 --tiles bench/sweeps/coalesced.json --tokens
-# 64,1,4,16,32,96`).
+# registers: 6 programs an SM, 16-24 bytes of stack offline; 128-row ones uncapped, 166 registers, as the 16 x 128
+# tile that tied for decode_batch above) for the 64-token gap, and prologue (the grouping and x's copy in one launch)
+# for the one-token edge, each class's tile beside them in bench/sweeps/coalesced.json (`bash scripts/gpu.sh mxfp4
+# --tiles bench/sweeps/coalesced.json --tokens 64,1,4,16,32,96`).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
@@ -286,6 +291,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
                          f"16-row blocks; set gluon=True and block_m=16, got {tile}")
     if tile.stream and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
+                         f"gluon=True, got {tile}")
+    if tile.prologue and not tile.gluon:
+        raise ValueError(f"moe_experts_mxfp4: prologue copies x into the Gluon mma.sync kernels' column order; set "
                          f"gluon=True, got {tile}")
     if tile.wgmma:
         if (tile.gluon or not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked)
