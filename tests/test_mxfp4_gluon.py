@@ -22,7 +22,7 @@ from tests.test_mxfp4_asm_decode import FOLD_SCALES, _all_scale_bits, _float_to_
 from tests.test_mxfp4_ops import _random_experts
 from tests.test_offline_compile import K3_PACKED_EXPERTS, _python
 
-gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
+gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon_operands")
 GLUON_TILE = moe_mxfp4_tiles.GLUON_DECODE_TILE_NVIDIA          # the plain (unstreamed) Gluon decode tile
 
 

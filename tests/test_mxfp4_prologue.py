@@ -1,6 +1,6 @@
 """The Gluon MXFP4 decode's one-launch prologue (`kernels.triton.moe_mxfp4_prologue`): the pairs' grouping and x's
 copy into the Gluon kernels' column order, against the two launches it replaces (`moe_blocks.group_pairs_torch`,
-`moe_mxfp4_gluon.gluon_columns`), bit for bit.
+`moe_mxfp4_gluon_operands.gluon_columns`), bit for bit.
 
 The kernel is plain Triton, so it runs here under TRITON_INTERPRET=1 (set below before triton is imported).
 Allocations are poisoned (NaN floats, -123456 integers), so a place the copy or the grouping forgets to write fails
@@ -22,7 +22,7 @@ from kernels.triton import moe_blocks, moe_mxfp4, moe_mxfp4_prologue, moe_mxfp4_
 from poison_helpers import nan_poisoned_allocations  # noqa: E402
 from tests.test_offline_compile import K3_PACKED_EXPERTS, _python  # noqa: E402
 
-gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon")
+gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon_operands")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 LAYOUTS = [(False, False), (True, False), (True, True)]        # (coalesced_x, coalesced_w): cw only with cx
 
@@ -88,7 +88,7 @@ def test_the_op_with_a_prologue_tile_makes_one_launch_before_gate_up_and_no_torc
     and gate/up's own copy of x."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
-        from kernels.triton import moe_mxfp4_gluon
+        from kernels.triton import moe_mxfp4_gluon_operands as moe_mxfp4_gluon
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
         copies = []

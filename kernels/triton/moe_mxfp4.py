@@ -196,7 +196,8 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         return hidden
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
-        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, gluon_columns, kernel_shape  # noqa: PLC0415
+        from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, kernel_shape  # noqa: PLC0415 (NVIDIA only)
+        from kernels.triton.moe_mxfp4_gluon_operands import gluon_columns  # noqa: PLC0415
         x = x if ordered else gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),

@@ -1,6 +1,6 @@
 """The Gluon MXFP4 decode's prologue as one launch: program 0 groups the (token, choice) pairs into expert blocks
 (`moe_blocks.group_pairs_program`) while the other programs copy x into the column order the Gluon kernels read
-(`stored_column`; the torch form is `moe_mxfp4_gluon.gluon_columns`).
+(`stored_column`; the torch form is `moe_mxfp4_gluon_operands.gluon_columns`).
 
 Why. Neither needs the other, yet as two launches they ran one after the other: in K3's one-token MXFP4 step on
 the H200 (2d1109e, bench/results/moe-mxfp4-nvidia-h200.md) the grouping program took 11 us and the torch copy of x
@@ -24,7 +24,7 @@ COPY_COLUMNS = 512                 # x columns a copy program moves (whole 256-c
 def stored_column(c, COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr):
     """Where column c of x (or of the expert hidden) lies in the Gluon kernels' order: each 256 columns as [the even
     ones | the odd ones], and column j of a half at j (plain), at 32c' + 8t + r for j = 32t + 8c' + r (COALESCED_X),
-    or at 64q + 32h + 8t + r for j = 64q + 16t + 8h + r (with COALESCED_W as well); `moe_mxfp4_gluon._x_layout`
+    or at 64q + 32h + 8t + r for j = 64q + 16t + 8h + r (with COALESCED_W as well); `moe_mxfp4_gluon_operands._x_layout`
     says why. Plain arithmetic only, so that a CPU test can run it on a torch tensor (`.fn`)."""
     j = c % 256 // 2
     place = j
@@ -61,7 +61,7 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
 
 def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_experts: int, block_m: int,
                             x: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> tuple[ExpertBlocks, torch.Tensor]:
-    """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon.gluon_columns(x, coalesced_x, coalesced_w)`),
+    """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon_operands.gluon_columns(x, coalesced_x, coalesced_w)`),
     bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride)."""
     num_rows, num_cols = x.shape
     if num_cols % 256:

@@ -71,10 +71,10 @@ class Mxfp4Tile(NamedTuple):
     #                                slots (3 an SM): 2.26 waves, the last a quarter full
     coalesced_x: bool = False      # gluon only: x and hidden stored so that a quarter warp's 16-byte loads of a token
     #                                are 64 contiguous bytes, not four pieces 64 bytes apart
-    #                                (`moe_mxfp4_gluon.gluon_columns`); bit for bit the same products
+    #                                (`moe_mxfp4_gluon_operands.gluon_columns`); bit for bit the same products
     coalesced_w: bool = False      # gluon only: each thread's two 16-byte pieces of a weight row 64 bytes apart, so a
     #                                quarter warp's load of a row is 64 contiguous bytes, not four pieces 32 bytes
-    #                                apart (x and hidden follow: `moe_mxfp4_gluon._x_layout`)
+    #                                apart (x and hidden follow: `moe_mxfp4_gluon_operands._x_layout`)
     half_blocks: bool = False      # gluon, block_m 16 only: a block whose rows 8-15 are all padding runs the 8-row
     #                                product (half the MMAs and x loads); K3 at 64 tokens has 9.1 rows an expert
     #                                on average and about 45% of its experts at 8 or fewer
@@ -139,7 +139,7 @@ MXFP4_ROW_CLASSES = ((1, "decode_thin"), (5, "decode"), (16, "decode_batch"), (6
 # decode_thin's; adopted at 8eaf6f9 (below). Sweep it in a process of its own: a broken protocol traps, which ends
 # the process's CUDA context.
 # The Gluon (and wgmma) decode after 02b848b: a mask, one multiply and a mask a code pair instead of two shift pairs
-# (`moe_mxfp4_gluon._quad_decode_ptx`; bit for bit the same values, checked on every byte, position and extreme
+# (`moe_mxfp4_gluon_operands._quad_decode_ptx`; bit for bit the same values, checked on every byte, position and extreme
 # scale by the PTX interpreter test): offline sm_90 the 8-row gate/up loop is 378 instructions a step against 414,
 # at the same registers. The GPU numbers above were taken with the decode it replaced; those below with it.
 # 128-row Gluon programs (block_n 128; down_block_n 64 or 128 for the down kernel): each x fragment a warp loads

@@ -44,8 +44,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                                warpgroup_mma_wait)
 
-from kernels.triton.moe_mxfp4_gluon import (_down_program, _down_rows, _flat_layout, _glu_rows, _quad_decode, _slice,
-                                            _stacked_rows, _weight_pointers)
+from kernels.triton.moe_mxfp4_gluon import _down_program, _down_rows, _glu_rows, _stacked_rows
+from kernels.triton.moe_mxfp4_gluon_operands import _flat_layout, _quad_decode, _slice, _weight_pointers
 
 STEP_COLUMNS = 128                                # K columns a step: 64 bytes of a weight row
 STEP_BYTES: gl.constexpr = gl.constexpr(64)
