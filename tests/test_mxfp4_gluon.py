@@ -61,7 +61,7 @@ def test_quad_decode_uses_only_the_operands_its_constraints_declare(folded):
 def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
     for change, match in ((dict(block_m=32), "block_m 8 or 16"), (dict(presplit=False), "presplit"),
                           (dict(block_k=128), "block_k 256"), (dict(split_x=True), "no other option"),
-                          (dict(num_warps=8), "4-warp"), (dict(num_stages=3), "1 stage"),
+                          (dict(num_warps=8), "4-warp"), (dict(num_stages=5), "1-4 stages"),
                           (dict(asm_decode=False), "asm_decode"), (dict(prefetch=True), "no other option"),
                           (dict(block_n=32), "64 or 128 weight rows"), (dict(down_block_n=256), "64 or 128")):
         with pytest.raises(ValueError, match=match):

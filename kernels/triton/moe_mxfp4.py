@@ -116,6 +116,16 @@ def _check_gluon(tile: Mxfp4Tile, hidden_dim: int, inter_dim: int) -> None:
                          f"{tile.block_k}, got D={hidden_dim}, I={inter_dim}; use a swap tile")
 
 
+def _check_staged(tile: Mxfp4Tile, packed: torch.Tensor) -> None:
+    """A staged gluon tile (num_stages > 1) copies the packed bytes 16 at a time by cp.async, which needs each
+    row's start on a 16-byte boundary."""
+    if tile.gluon and tile.num_stages > 1 and (packed.data_ptr() % 16 or packed.stride(0) % 16
+                                               or packed.stride(1) % 16):
+        raise ValueError(f"moe_experts_mxfp4: a gluon tile with {tile.num_stages} stages copies the packed weights in "
+                         f"16-byte pieces; pass weights whose rows start at 16-byte boundaries (e.g. .contiguous()), "
+                         f"got strides {packed.stride()} at address {packed.data_ptr()}")
+
+
 def _check_stream(tile: Mxfp4Tile, counters: torch.Tensor | None) -> None:
     """A stream tile's gate_up and down run as a pair over one counter buffer; other tiles take none."""
     if tile.stream and counters is None:
@@ -196,6 +206,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         return hidden
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
+        _check_staged(tile, w13_packed)
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, kernel_shape  # noqa: PLC0415 (NVIDIA only)
         from kernels.triton.moe_mxfp4_gluon_operands import gluon_columns  # noqa: PLC0415
         x = x if ordered else gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
@@ -258,6 +269,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         return rows_out
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
+        _check_staged(tile, w2_packed)
         from kernels.triton.moe_mxfp4_gluon import down_gluon, kernel_shape  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
                    num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, kernel_shape(tile), counters,

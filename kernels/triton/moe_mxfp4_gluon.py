@@ -36,19 +36,21 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from kernels.triton.activation import glu_f32
-from kernels.triton.moe_mxfp4_gluon_operands import (_bytes_layout, _flat_layout, _mma_layout, _scale_layout, _slice,
-                                                     _weight_halves, _weight_pointers, _x_halves, _x_layout,
-                                                     _x_pointers)
+from kernels.triton.moe_mxfp4_gluon_operands import (STEP_BYTES, _bytes_layout, _decoded_halves, _flat_layout,
+                                                     _mma_layout, _piece_rows, _scale_layout, _slice, _stage_layout,
+                                                     _stage_smem_layout, _thread_pieces, _weight_halves,
+                                                     _weight_pointers, _x_halves, _x_layout, _x_pointers)
 from kernels.triton.moe_mxfp4_prologue import stored_column
 from kernels.triton.moe_mxfp4_stream import _asm, _await_count, _count_out, _release_count
 
 
 def kernel_shape(tile) -> dict:
     """A gluon tile's layout options as the kernels' constexprs (`moe_mxfp4_tiles.Mxfp4Tile`)."""
-    return {"COALESCED_X": tile.coalesced_x, "COALESCED_W": tile.coalesced_w, "HALF_BLOCKS": tile.half_blocks}
+    return {"COALESCED_X": tile.coalesced_x, "COALESCED_W": tile.coalesced_w, "HALF_BLOCKS": tile.half_blocks,
+            "STAGES": tile.num_stages}
 
 
 @gluon.constexpr_function
@@ -59,10 +61,13 @@ def _glu_layout():
 
 @gluon.jit
 def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-            SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
+            SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """The [WEIGHT_ROWS, BLOCK_M] float32 product of the program's weight rows and its x (or hidden) rows over
     `steps` K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the
-    odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles."""
+    odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles. STAGES > 1: `_k_loop_staged`."""
+    if STAGES > 1:
+        return _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
+                              COALESCED_X, COALESCED_W, STAGES)
     acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
     for step in range(0, steps):
         low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
@@ -73,13 +78,57 @@ def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.cons
 
 
 @gluon.jit
+def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                   SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """`_k_loop` with the weight bytes a software pipeline: each thread copies its own 16-byte pieces of step
+    i + STAGES - 1 into shared memory by cp.async (`_thread_pieces`: per piece a warp's copies and reads are 512
+    contiguous bytes) while it decodes step i, and loads the scale bytes a step ahead into registers. The plain loop
+    loads a step's bytes and waits for them before its decode, so a warp has one step of weights in flight (Nsight
+    Compute at 386fccf: long-scoreboard waits were 39% of the one-token gate/up kernel's stall cycles, with DRAM at
+    60%); here STAGES - 1 steps more are, in 8 KiB of shared memory a stage at 64 rows. A thread reads back only
+    what it copied, so its own wait would order each step; Triton's shared-memory analysis cannot see that and puts
+    a barrier after each wait and one before each copy into the stage read a step earlier (two bar.sync a step in
+    the offline sm_90 SASS), so a program's four warps go through the steps together. Not yet timed on a GPU."""
+    stages = gl.allocate_shared_memory(gl.uint8, [STAGES, WEIGHT_ROWS // 16, 128, 16], _stage_smem_layout())
+    copy_ptrs = gl.convert_layout(_thread_pieces(byte_ptrs, WEIGHT_ROWS, COALESCED_W), _stage_layout(WEIGHT_ROWS),
+                                  assert_trivial=True)                      # [pieces, 128 threads, 16]
+    # the reshape / permute hides from Triton what `_weight_pointers` made: 16 contiguous bytes a piece, at 16-byte
+    # boundaries (row strides and the packed tensors' starts are multiples of 16: Triton's specialisation of them)
+    copy_ptrs = gl.max_contiguous(gl.multiple_of(copy_ptrs, [1, 1, 16]), [1, 1, 16])
+    for first in gl.static_range(STAGES - 1):
+        if first < steps:
+            async_copy.async_copy_global_to_shared(stages.index(first), copy_ptrs + first * STEP_BYTES)
+        async_copy.commit_group()
+    scale = gl.load(scale_ptrs)                                             # [WEIGHT_ROWS, 8, 1]
+    acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
+    for step in range(0, steps):
+        ahead = step + STAGES - 1
+        if ahead < steps:
+            async_copy.async_copy_global_to_shared(stages.index(ahead % STAGES), copy_ptrs + ahead * STEP_BYTES)
+        async_copy.commit_group()
+        next_scale = gl.load(scale_ptrs + gl.minimum(step + 1, steps - 1) * 8)
+        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
+        async_copy.wait_group(STAGES - 1)                                   # this thread's copies of step
+        byte = gl.convert_layout(_piece_rows(stages.index(step % STAGES).load(_stage_layout(WEIGHT_ROWS)),
+                                             WEIGHT_ROWS, COALESCED_W),
+                                 _bytes_layout(WEIGHT_ROWS, COALESCED_W), assert_trivial=True)
+        low, high = _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
+        acc = mma_v2(low, even, acc)
+        acc = mma_v2(high, odd, acc)
+        scale = next_scale
+    async_copy.wait_group(0)
+    return acc
+
+
+@gluon.jit
 def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, block_experts_ptr,
                          x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                          scale_row_stride, hidden_row_stride, num_pairs, num_experts, hidden_dim, inter_dim, beta,
                          linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
                          HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr,
                          SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
-                         COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr):
+                         COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
     """One (row block, WEIGHT_ROWS / 2 columns of I): gate and up rows stacked in one weight tile, the GLU in
     float32, stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
     STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
@@ -104,10 +153,10 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
             hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta)
     if HALF_BLOCKS and _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M):
         _gate_up_rows(*args, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M // 2, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X,
-                      COALESCED_W)
+                      COALESCED_W, STAGES)
     else:
         _gate_up_rows(*args, TOP_K, IS_SITU, HAS_LINEAR_CLIP, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X,
-                      COALESCED_W)
+                      COALESCED_W, STAGES)
     if STREAM:
         _release_count(counters_ptr + 2 * block)
 
@@ -123,14 +172,14 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
                   hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K: gl.constexpr,
                   IS_SITU: gl.constexpr, HAS_LINEAR_CLIP: gl.constexpr, ROWS: gl.constexpr,
                   WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr,
-                  COALESCED_W: gl.constexpr):
+                  COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Gate/up program `col` over the ROWS sorted rows from row0: the product, the GLU and the store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
     pairs = gl.load(sorted_pairs_ptr + rows)
     row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, ROWS, COALESCED_X, COALESCED_W)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
-                  COALESCED_X, COALESCED_W)
+                  COALESCED_X, COALESCED_W, STAGES)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
                                                  linear_beta, WEIGHT_ROWS, ROWS, IS_SITU, HAS_LINEAR_CLIP)
     places = stored_column(cols, COALESCED_X, COALESCED_W)
@@ -183,7 +232,7 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       counters_ptr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr, GATE_UP_COLS: gl.constexpr,
                       SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
-                      COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr):
+                      COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
     """One (row block, WEIGHT_ROWS columns of D): (W2 hidden^T) [WEIGHT_ROWS, BLOCK_M] over I, stored in float32
     at the sorted rows; GATE_UP_COLS: the columns of I a gate/up program writes (STREAM's count);
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
@@ -203,22 +252,22 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     args = (hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, block * BLOCK_M, col_block,
             hidden_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim)
     if HALF_BLOCKS and _half_full(sorted_pairs_ptr, block, num_pairs, BLOCK_M):
-        _down_rows_product(*args, BLOCK_M // 2, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+        _down_rows_product(*args, BLOCK_M // 2, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W, STAGES)
     else:
-        _down_rows_product(*args, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+        _down_rows_product(*args, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W, STAGES)
 
 
 @gluon.jit
 def _down_rows_product(hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, row0, col_block,
                        hidden_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, ROWS: gl.constexpr,
                        WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr,
-                       COALESCED_W: gl.constexpr):
+                       COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Down program `col_block` over the ROWS sorted rows from row0: the product and its float32 store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
     row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, ROWS, COALESCED_X, COALESCED_W)
     acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
-                  COALESCED_X, COALESCED_W)
+                  COALESCED_X, COALESCED_W, STAGES)
     cols = col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_slice(1, _mma_layout()))
     out_rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _mma_layout()))
     out_mask = (gl.load(sorted_pairs_ptr + out_rows) < num_pairs)[None, :] & (cols < hidden_dim)[:, None]

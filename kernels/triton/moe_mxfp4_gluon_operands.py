@@ -213,9 +213,67 @@ def _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS: gl.constexpr, SCALE
     layout."""
     byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [WEIGHT_ROWS, 128] uint8
     scale = gl.load(scale_ptrs + step * 8)                                                 # [WEIGHT_ROWS, 8, 1]
+    return _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
+
+
+@gluon.jit
+def _decoded_halves(byte, scale, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_W: gl.constexpr):
+    """A step's packed bytes [WEIGHT_ROWS, 128] in `_bytes_layout` and their scale bytes [WEIGHT_ROWS, 8, 1] ->
+    (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand layout."""
     low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS, COALESCED_W), SCALE_FOLD)
     return (gl.convert_layout(_kappa_rows(low, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True),
             gl.convert_layout(_kappa_rows(high, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True))
+
+
+@gluon.constexpr_function
+def _stage_layout(rows):
+    """[rows / 16 pieces, 128 threads, 16 bytes]: thread T = 32w + lane holds 16 contiguous bytes of each piece, the
+    pieces being its 16-byte loads of `_bytes_layout(rows, ...)` (`_thread_pieces`)."""
+    return gl.BlockedLayout([rows // 16, 1, 16], [1, 32, 1], [1, 4, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _stage_smem_layout():
+    """A stage [pieces, 128 threads, 16 bytes] of an allocation [stages, ...], unswizzled: for each piece a warp's
+    16-byte copies and reads are 512 contiguous bytes, so neither conflicts."""
+    return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+
+
+@gluon.jit
+def _thread_pieces(tile, WEIGHT_ROWS: gl.constexpr, COALESCED_W: gl.constexpr):
+    """[WEIGHT_ROWS, 128 bytes] as `_bytes_layout` spreads it -> [WEIGHT_ROWS / 16, 128, 16] indexed by (piece,
+    thread, byte of the piece), a reshape / permute only. Row 64a2 + 16w + 8a + g, byte 32t + 16b + c (COALESCED_W:
+    64b + 16t + c) is held by thread T = 32w + 4g + t as byte c of piece P = 4a2 + 2a + b. Plain reshapes and
+    permutes, so that a CPU test can run it on a torch tensor (`.fn`)."""
+    if WEIGHT_ROWS == 128:
+        if COALESCED_W:
+            tile = tile.reshape([2, 4, 2, 8, 2, 4, 16]).permute([0, 2, 4, 1, 3, 5, 6])   # [a2, w, a, g, b, t, c]
+        else:
+            tile = tile.reshape([2, 4, 2, 8, 4, 2, 16]).permute([0, 2, 5, 1, 3, 4, 6])   # [a2, w, a, g, t, b, c]
+    else:
+        if COALESCED_W:
+            tile = tile.reshape([4, 2, 8, 2, 4, 16]).permute([1, 3, 0, 2, 4, 5])         # [w, a, g, b, t, c]
+        else:
+            tile = tile.reshape([4, 2, 8, 4, 2, 16]).permute([1, 4, 0, 2, 3, 5])         # [w, a, g, t, b, c]
+    return tile.reshape([WEIGHT_ROWS // 16, 128, 16])                                    # [(a2,) a, b, w, g, t, c]
+
+
+@gluon.jit
+def _piece_rows(pieces, WEIGHT_ROWS: gl.constexpr, COALESCED_W: gl.constexpr):
+    """`_thread_pieces`' inverse: [WEIGHT_ROWS / 16, 128, 16] -> [WEIGHT_ROWS, 128 bytes]."""
+    if WEIGHT_ROWS == 128:
+        tile = pieces.reshape([2, 2, 2, 4, 8, 4, 16])                                   # [a2, a, b, w, g, t, c]
+        if COALESCED_W:
+            tile = tile.permute([0, 3, 1, 4, 2, 5, 6])                                  # [a2, w, a, g, b, t, c]
+        else:
+            tile = tile.permute([0, 3, 1, 4, 5, 2, 6])                                  # [a2, w, a, g, t, b, c]
+    else:
+        tile = pieces.reshape([2, 2, 4, 8, 4, 16])                                      # [a, b, w, g, t, c]
+        if COALESCED_W:
+            tile = tile.permute([2, 0, 3, 1, 4, 5])                                     # [w, a, g, b, t, c]
+        else:
+            tile = tile.permute([2, 0, 3, 4, 1, 5])                                     # [w, a, g, t, b, c]
+    return tile.reshape([WEIGHT_ROWS, 128])
 
 
 @gluon.jit

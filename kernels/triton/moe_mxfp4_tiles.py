@@ -50,10 +50,12 @@ class Mxfp4Tile(NamedTuple):
     #                                warps an SM; at 128 they fit 4 with no spill (offline sm_90 SASS)
     gluon: bool = False            # NVIDIA, bf16: both GEMMs as the Gluon mma.sync kernels of
     #                                `kernels.triton.moe_mxfp4_gluon` (operands loaded straight into the MMA's
-    #                                registers, no shared memory); needs swap, asm_decode, presplit and stacked,
-    #                                block_m 8 or 16, block_n (and down_block_n) 64 or 128 weight rows a program
-    #                                (at 128 each x fragment a warp loads feeds two m16 tiles), block_k 256, 4
-    #                                warps, num_stages 1 (no software pipeline to stage), K and I multiples of 256
+    #                                registers); needs swap, asm_decode, presplit and stacked, block_m 8 or 16,
+    #                                block_n (and down_block_n) 64 or 128 weight rows a program (at 128 each x
+    #                                fragment a warp loads feeds two m16 tiles), block_k 256, 4 warps, K and I
+    #                                multiples of 256; num_stages 1 (each step's weight bytes loaded when decoded,
+    #                                no shared memory) or 2-4 (each thread's weight bytes copied by cp.async
+    #                                num_stages - 1 steps ahead through shared memory, no barrier: not yet timed)
     wgmma: bool = False            # NVIDIA sm_90, bf16: both GEMMs as the Gluon wgmma kernels of
     #                                `kernels.triton.moe_mxfp4_wgmma` (the decoded weights as the register operand,
     #                                x rows in shared memory, the next step decoded under this step's MMA); needs
@@ -182,9 +184,12 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
                                       asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
 # Pending, never run on a GPU: coalesced_x, coalesced_w and half_blocks (and 16-row Gluon blocks capped at 80
 # registers: 6 programs an SM, 16-24 bytes of stack offline; 128-row ones uncapped, 166 registers, as the 16 x 128
-# tile that tied for decode_batch above) for the 64-token gap, and prologue (the grouping and x's copy in one launch)
-# for the one-token edge, each class's tile beside them in bench/sweeps/coalesced.json (`bash scripts/gpu.sh mxfp4
-# --tiles bench/sweeps/coalesced.json --tokens 64,1,4,16,32,96`).
+# tile that tied for decode_batch above) for the 64-token gap, each class's tile beside them in
+# bench/sweeps/coalesced.json; for the one-token edge, in bench/sweeps/staged.json, prologue (the grouping and x's
+# copy in one launch) and staged Gluon tiles (num_stages 2-4: the weight bytes copied by cp.async steps ahead;
+# offline sm_90 +32-41 instructions a step, two barriers, 72-80 registers at 8 rows). Both in one process:
+# `LIMIT=560 CONFORMANCE=0 bash scripts/gpu.sh mxfp4 --tiles bench/sweeps/coalesced.json,bench/sweeps/staged.json
+# --tokens 64,1,4,16,32,96`.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
@@ -311,13 +316,13 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if tile.gluon:
         if (not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked) or tile.block_m not in (8, 16)
                 or tile.block_n not in (64, 128) or tile.block_k != 256 or tile.num_warps != 4
-                or tile.num_stages != 1 or tile.tail_m
+                or not 1 <= tile.num_stages <= 4 or tile.tail_m
                 or tile.down_block_n not in (0, 64, 128) or tile.split_x or tile.scaled or tile.half_math
                 or tile.natural_k or tile.gemv or tile.prefetch):
             raise ValueError(f"moe_experts_mxfp4: a gluon tile is the 4-warp mma.sync decode kernel: swap, "
                              f"asm_decode, presplit and stacked, block_m 8 or 16, block_n (and down_block_n) 64 or "
-                             f"128 weight rows a program, block_k 256, 1 stage (it has no software pipeline), no "
-                             f"other option, got {tile}")
+                             f"128 weight rows a program, block_k 256, 1-4 stages (1: each step's weight bytes "
+                             f"loaded when decoded; 2-4: a cp.async pipeline), no other option, got {tile}")
         return
     if tile.prefetch and not tile.gemv:
         raise ValueError(f"moe_experts_mxfp4: prefetch is an option of the gemv kernels; set gemv=True, got {tile}")
