@@ -1,6 +1,6 @@
 """MXFP4 decode-sized expert GEMMs written in Gluon (Triton's explicit-layout dialect), NVIDIA only: mma.sync
 (m16n8k16) with both operands loaded straight from global memory into the registers that feed it, no shared memory
-and no barrier.
+and no barrier (a staged tile's weight bytes pass through shared memory: `_k_loop_staged`).
 
 Why. The swap kernels (`kernels.triton.moe_mxfp4_swap`) spend a 64-row x 256-column K step of the sm_90 decode tile
 in about 480 SASS instructions a warp: the wgmma path stages the weight bytes in shared memory (cp.async, a barrier
