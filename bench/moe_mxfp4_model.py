@@ -11,6 +11,12 @@ model on the measured backend against the torch backend (the reference ops; for 
 reference) on the same weights, one 37-token prompt, relative logit error under conformance.model_check's bf16
 tolerance (model_check's bound; its own check routes to all experts, here top-k, so a routing flip fails the gate
 rather than passing quietly); a failed gate prints no speed-up.
+
+Where the step goes: the routed-expert op of every MoE layer is also graph-timed alone at each batch size, on that
+layer's weights and a random top-k routing (`expert_share`), so each format's step splits into its experts and the
+rest (router, attention, shared experts, lm_head, launches). The two rests must agree (the same weights but the
+experts); the BS=1 step of MXFP4 with its experts at their packed-byte floor and its rest as measured is what no
+expert kernel can beat, and its ratio to the bf16 step is what expert work alone can give k3-mini.
 """
 from __future__ import annotations
 
@@ -65,6 +71,36 @@ def correctness_gate(llm, prompt: list[int], backend: str, device: torch.device)
     return error, BF16_FACTOR * relative_error(logits("torch", llm.dtype, weights), reference) + BF16_FLOOR
 
 
+def expert_share(llm, batch_sizes: list[int], device: torch.device) -> dict:
+    """ms of one decode step's routed-expert ops (every MoE layer's `RoutedExperts.forward` on its own weights, a
+    random top-k routing of distinct experts, the latent-width x) at each batch size, graph-timed alone: the part
+    of the step the expert format changes. CPU (smoke): a host-clock plumbing check, not a measurement."""
+    from bench.timing import Timer
+    config, network = llm.config, llm.network
+    layers = [layer.mlp.experts for layer in network.layers if hasattr(layer.mlp, "experts")]
+    width = config.moe_latent_size or config.hidden_size
+    top_k = config.num_experts_per_token
+    generator = torch.Generator().manual_seed(1)
+    timer = Timer(device)
+    out = {}
+    for rows in batch_sizes:
+        inputs = []
+        for experts in layers:
+            x = torch.randn(rows, width, generator=generator).to(device, llm.dtype)
+            ids = torch.rand(rows, experts.num_experts, generator=generator).topk(top_k, dim=-1).indices
+            weights = torch.rand(rows, top_k, generator=generator)
+            inputs.append((experts, x, weights.to(device), ids.to(device)))
+
+        def step(inputs=inputs):
+            for experts, x, weights, ids in inputs:
+                experts.forward(network.ops, x, weights, ids, 0)
+        timing = timer.time_graph([step])
+        out[f"experts_ms_bs{rows}"] = timing.ms
+    out["moe_layers"] = len(layers)
+    out["timing"] = timing.method
+    return out
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Read + write bytes per second of a 1 GiB device copy (the roofline's memory ceiling)."""
     if device.type != "cuda":
@@ -110,21 +146,27 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, backend=backend, device=str(device), dtype=dtype, seed=0, expert_format=fmt,
                   **options)
         from k3core.sampling_params import SamplingParams
-        tokens[fmt] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        tokens[fmt] = llm.generate([prompt], greedy)[0].token_ids
         error, tolerance = correctness_gate(llm, prompt, backend, device)
         ns = SimpleNamespace(concurrency=args.concurrency, input_len=args.context, backend=backend,
                              long_prompt=64 if args.smoke else 1024, chunk=64 if args.smoke else 1024,
                              smoke=args.smoke)
         ceiling = serving.ceiling(llm, ns, device)
         weights = decode_weight_bytes(llm.network, llm.config)
+        share = expert_share(llm, sorted({1, args.concurrency}), device)
         row = {"decode_step_ms_bs1": ceiling["decode_step_ms_bs1"],
                f"decode_step_ms_bs{args.concurrency}": ceiling[f"decode_step_ms_bs{args.concurrency}"],
                "weight_bytes": weights, "gate": {"relative_logit_error": error, "tolerance": tolerance,
-                                                 "passed": error < tolerance}}
+                                                 "passed": error < tolerance},
+               "experts": share}
+        for rows in sorted({1, args.concurrency}):
+            share[f"rest_ms_bs{rows}"] = ceiling[f"decode_step_ms_bs{rows}"] - share[f"experts_ms_bs{rows}"]
         if device.type == "cuda":
             floor_ms = weights["total"] / bandwidth * 1e3     # read at the copy's DRAM rate (its reads + writes)
             row["floor_ms_bs1_weights"] = floor_ms
             row["floor_share_bs1"] = floor_ms / ceiling["decode_step_ms_bs1"]
+            share["floor_ms_bs1"] = weights["routed_top_k"] / bandwidth * 1e3
         result["formats"][fmt] = row
         llm.engine.close()                  # its pool and graphs go before the next format's model is built
         del llm
@@ -138,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if bf16["gate"]["passed"] and mx["gate"]["passed"]:
         result["speedup_bs1"] = bf16["decode_step_ms_bs1"] / mx["decode_step_ms_bs1"]
         result[f"speedup_bs{args.concurrency}"] = bf16[key] / mx[key]
+        if "floor_ms_bs1" in mx["experts"]:     # what expert kernels alone could give: MXFP4's rest as measured
+            best = mx["experts"]["rest_ms_bs1"] + mx["experts"]["floor_ms_bs1"]
+            result["speedup_bs1_experts_at_floor"] = bf16["decode_step_ms_bs1"] / best
     else:
         result["speedup"] = "not reported: a correctness gate failed (see formats.*.gate)"
     out = Path(args.out)
@@ -146,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "formats"}, indent=1, default=str))
     for fmt, row in result["formats"].items():
-        print(fmt, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "weight_bytes"},
-              "weights read per token:", row["weight_bytes"]["total"])
+        print(fmt, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                    if k not in ("weight_bytes", "experts")}, "weights read per token:", row["weight_bytes"]["total"])
+        print(f"  {fmt} experts:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row["experts"].items()})
     return 0
 
 

@@ -16,6 +16,13 @@ def test_model_bench_gates_both_formats_before_reporting(tmp_path):
     mx, bf = result["formats"]["mxfp4"]["weight_bytes"], result["formats"]["bf16"]["weight_bytes"]
     assert mx["other"] == bf["other"] and mx["routed_all"] < bf["routed_all"] / 3    # packed: 4.25 bits a weight
     assert "speedup_bs1" in result
+    from k3core.config import load_config
+    moe_layers = load_config("k3-tiny").mlp_types.count("moe")
+    for fmt in ("bf16", "mxfp4"):                     # every MoE layer's experts timed, at both batch sizes
+        share = result["formats"][fmt]["experts"]
+        assert share["moe_layers"] == moe_layers > 0
+        assert share["experts_ms_bs1"] > 0 and share["experts_ms_bs2"] > 0
+        assert {"rest_ms_bs1", "rest_ms_bs2"} <= set(share)
 
 
 def test_a_failed_gate_prints_no_speedup(tmp_path, monkeypatch):
