@@ -186,10 +186,19 @@ def _commit() -> str:
     return commit_under_test()
 
 
+def _overrides() -> dict:
+    """k3core.provenance's tuning files in place of committed tables ({} when none): a winners file under
+    K3CORE_MXFP4_TILES is what this bench then measured, not the commit's MXFP4_TILES_NVIDIA."""
+    from k3core.provenance import tuning_overrides
+    return tuning_overrides()
+
+
 def _markdown(meta: dict, rows: list[Row]) -> str:
     lines = [f"# moe_experts_mxfp4 vs moe_experts (bf16) on {meta['device']}", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; shapes "
              f"{meta['shape']}; copy ceiling {meta['copy_tbps']:.2f} TB/s (read + write)", "",
+             *[f"Tiles not the commit's: {name}={o['path']} in place of {o['replaces']}: {json.dumps(o['content'])}\n"
+               for name, o in meta.get("tuning_overrides", {}).items()],
              "| phase | tokens | routed rows | experts | mxfp4 ms | bf16 ms | speed-up | mxfp4 of copy | bf16 of copy "
              "| check (mxfp4 / bf16 error, tol) | mxfp4 tile |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -227,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                 date=datetime.date.today().isoformat(), shape=shape, smoke=args.smoke, dtype=str(ctx.dtype),
-                copy_tbps=ceilings.copy_tbps)
+                copy_tbps=ceilings.copy_tbps, **_overrides())
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "moe-mxfp4-" + ("smoke" if args.smoke else device.lower().replace(" ", "-"))

@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = list(range(3, 40))
     import triton
 
-    from k3core.provenance import commit_under_test
+    from k3core.provenance import commit_under_test, tuning_overrides
     meta = {"torch": torch.__version__, "triton": triton.__version__, "commit": commit_under_test(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **tuning_overrides()}
     result = {"model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "meta": meta, "copy_bytes_per_s": bandwidth, "formats": {}}
     tokens = {}

@@ -17,12 +17,15 @@ bf16 op (`kernels.triton.moe_experts`, its tuned default) on the same inputs.
 
 Printed last: per case the tiles by time with the speed-up over bf16 and the packed bytes' fraction of copy
 bandwidth, then per row class the tile with the best geometric-mean time over the class's cases, as a `paste:`
-line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4_tiles.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json,
-rewritten after every case so that a run cut short keeps what it finished.
+line for `MXFP4_TILES_NVIDIA` in kernels/triton/moe_mxfp4_tiles.py. `--out DIR` gets moe-mxfp4-sweep-<device>.json
+and the winners as a tiles file, moe-mxfp4-winners-<device>.json (`K3CORE_MXFP4_TILES=` that file runs the op with
+them before they are pasted: `kernels.triton.moe_mxfp4_tuned`), both rewritten after every case so that a run cut
+short keeps what it finished.
 
 `--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name
 (absent fields take their defaults), each optionally with "tail": the fields of the tail blocks' tile (two block
-heights, `moe_blocks.split_tail_pairs`); only the cases of the classes it names run. `--tiles A.json,B.json`
+heights, `moe_blocks.split_tail_pairs`), or to one such tile (a winners file); only the cases of the classes it
+names run. `--tiles A.json,B.json`
 sweeps several files' candidates in one process (one device call), each class's lists joined in order with
 repeats dropped. `--tokens 1,512` picks the cases.
 """
@@ -40,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from bench.context import load, make_context, require_interpreter, results_dir
-from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
+from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, _overrides, expert_weights
 from bench.timing import measure_ceilings, sweep_timer
 from k3core.model.mxfp4 import max_scale_of
 
@@ -119,7 +122,6 @@ def tiles_from(paths: str) -> dict[str, list]:
 
 def _tiles_file(path: str) -> dict[str, list]:
     """One `--tiles` file's candidates by row class."""
-    tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
     classes = [name for _, name in load("kernels.triton.moe_mxfp4:MXFP4_ROW_CLASSES")]
     try:
         spec = json.loads(Path(path).read_text())
@@ -130,19 +132,20 @@ def _tiles_file(path: str) -> dict[str, list]:
     if not isinstance(spec, dict) or not spec:
         raise SystemExit(f"--tiles {path}: expected a JSON object from row class ({', '.join(classes)}) to a list "
                          "of tiles")
+    tile_from_fields = load("kernels.triton.moe_mxfp4_tuned:tile_from_fields")
     out = {}
     for name, entries in spec.items():
         if name not in classes:
             raise SystemExit(f"--tiles {path}: unknown row class {name!r}; choose from {', '.join(classes)}")
         out[name] = []
-        for entry in entries:
-            fields = {k: v for k, v in entry.items() if k != "tail"}
-            try:
-                tail = tile_type(**entry["tail"]) if "tail" in entry else None
-                out[name].append(Candidate(tile_type(**fields), tail))
-            except TypeError as exc:
-                raise SystemExit(f"--tiles {path}: {name} entry {entry}: {exc} (fields: "
-                                 f"{', '.join(tile_type._fields)})") from None
+        for entry in [entries] if isinstance(entries, dict) else entries:      # one tile: a winners file's entry
+            where = f"--tiles {path}: {name} entry {entry}"
+            try:              # unchecked: a tile the rules refuse becomes its row's error, as a failed compile does
+                fields = {k: v for k, v in entry.items() if k != "tail"} if isinstance(entry, dict) else entry
+                tail = tile_from_fields(entry["tail"], where, check=False) if "tail" in entry else None
+                out[name].append(Candidate(tile_from_fields(fields, where, check=False), tail))
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
     return out
 
 
@@ -328,6 +331,14 @@ def _winners(results: list[Result]) -> dict[str, tuple[list, float, int, list | 
     return winners
 
 
+def winners_file(winners: dict) -> dict:
+    """`_winners` as a tiles file (`kernels.triton.moe_mxfp4_tuned`): row class -> the winning tile's fields by
+    name, with "tail" where it has one."""
+    tile_type = load("kernels.triton.moe_mxfp4:Mxfp4Tile")
+    return {row_class: dict(tile_type(*tile)._asdict(), **({"tail": tile_type(*tail)._asdict()} if tail else {}))
+            for row_class, (tile, _, _, tail) in winners.items()}
+
+
 def _constructor(tile) -> str:
     """'Mxfp4Tile(block_m=..., ...)' with every field by name, as the tables spell them."""
     return "Mxfp4Tile(" + ", ".join(f"{k}={v}" for k, v in tile._asdict().items()) + ")"
@@ -392,10 +403,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), shape=shape,
-                smoke=args.smoke, copy_tbps=ceilings.copy_tbps, tolerance=SMOKE_TOL if args.smoke else GPU_TOL)
+                smoke=args.smoke, copy_tbps=ceilings.copy_tbps, tolerance=SMOKE_TOL if args.smoke else GPU_TOL,
+                **_overrides())
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / ("moe-mxfp4-sweep-" + ("smoke" if args.smoke else device.lower().replace(" ", "-")) + ".json")
+    stem = "smoke" if args.smoke else device.lower().replace(" ", "-")
+    path, winners_path = out / f"moe-mxfp4-sweep-{stem}.json", out / f"moe-mxfp4-winners-{stem}.json"
     results: list[Result] = []
     bf16: dict[str, float] = {}
     lost = None
@@ -411,9 +424,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
         bf16[case_results[0].case] = bf16_ms
         path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],
                                     "winners": _winners(results)}, indent=2))
+        winners_path.write_text(json.dumps(winners_file(_winners(results)), indent=1) + "\n")
         if lost:
             break
-    print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path}\n")
+    print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path} and the winners to {winners_path} "
+          f"(K3CORE_MXFP4_TILES={winners_path} runs the op with them)\n")
     print(summary(results, bf16))
     if lost:
         raise SystemExit(f"sweep stopped: {meta['aborted']}. Sweep the rest in a new process without that tile.")

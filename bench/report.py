@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.timing import Ceilings
-from k3core.provenance import commit_under_test
+from k3core.provenance import commit_under_test, tuning_overrides
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def environment(device: torch.device, smoke: bool) -> dict[str, str]:
     return {"device": name, "device_slug": device_slug(device, smoke), "torch": torch.__version__,
             "triton": triton.__version__, "fla": fla_version, "cuda": str(torch.version.cuda),
             "python": platform.python_version(), "commit": commit_under_test(), "smoke": str(smoke),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **tuning_overrides()}
 
 
 def device_slug(device: torch.device, smoke: bool) -> str:

@@ -83,8 +83,9 @@ def _versions() -> dict:
         info["triton"] = None
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
-    from k3core.provenance import commit_under_test
+    from k3core.provenance import commit_under_test, tuning_overrides
     info["commit"] = commit_under_test()
+    info.update(tuning_overrides())
     return info
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from conformance.runner import CaseResult
-from k3core.provenance import commit_under_test
+from k3core.provenance import commit_under_test, tuning_overrides
 
 
 @dataclasses.dataclass
@@ -69,7 +69,7 @@ def environment() -> dict[str, str]:
     facts = device_facts()
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version(), "device": facts.describe() if facts else "CPU only",
-            "commit": commit_under_test()}
+            "commit": commit_under_test(), **tuning_overrides()}
 
 
 def write(results: list[CaseResult], path: str | Path, header: dict[str, str]) -> tuple[Path, Path]:

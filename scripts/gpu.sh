@@ -27,6 +27,10 @@
 #                                             against the bf16 experts at K3's shapes, kernel profiles per case), then
 #                                             python -m bench.moe_mxfp4_model (k3-mini graph decode, MXFP4 against
 #                                             bf16 experts and the memory floor; MODEL_BENCH=0 skips it)
+#   bash scripts/gpu.sh mxfp4-adopt [ARGS]    in one call: the sweep (ARGS as for mxfp4; LIMIT_SWEEP), then with its
+#                                             winners file as K3CORE_MXFP4_TILES the op's conformance (bf16, fp32;
+#                                             LIMIT_CONFORMANCE) and mxfp4-bench (LIMIT, LIMIT_MODEL), each result
+#                                             recording the file it ran with
 #
 # Results land in $OUT (default /tmp/out). LIMIT overrides a subcommand's time limit in seconds. K3CORE_COMMIT names
 # the commit stored in the results when the copy's .git is not the tree's own. DRY_RUN=1 prints the commands
@@ -65,6 +69,7 @@ environment() {
     fi
     export K3CORE_COMMIT
     echo "commit $K3CORE_COMMIT"
+    if [ -n "${K3CORE_MXFP4_TILES:-}" ]; then echo "K3CORE_MXFP4_TILES=$K3CORE_MXFP4_TILES (replaces MXFP4_TILES_NVIDIA)"; fi
 }
 
 # the fla-core anchor, from a wheel carried in .whl/ (the device machine has no package index)
@@ -166,6 +171,26 @@ mxfp4() {
     sed -n '/^sweep took/,$p' "$OUT/mxfp4_sweep.log" | cut -c1-220
 }
 
+mxfp4_adopt() {
+    [ "$DRY_RUN" = 1 ] || rm -f "$OUT"/moe-mxfp4-winners-*.json          # only this sweep's winners are adopted
+    CONFORMANCE=0 LIMIT=${LIMIT_SWEEP:-240} mxfp4 "$@"
+    local winners
+    winners=$(ls "$OUT"/moe-mxfp4-winners-*.json 2>/dev/null | head -n 1)
+    if [ "$DRY_RUN" = 1 ]; then
+        winners="$OUT/moe-mxfp4-winners-<device>.json"
+    elif [ -z "$winners" ]; then
+        echo "mxfp4-adopt: the sweep wrote no winners file; nothing to adopt"
+        return 1
+    fi
+    export K3CORE_MXFP4_TILES=$winners
+    echo "K3CORE_MXFP4_TILES=$winners"
+    [ "$DRY_RUN" = 1 ] || cat "$winners"
+    run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4-adopt.log "$PY" -m conformance --backend cuda \
+        --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4-adopt"
+    [ "$DRY_RUN" = 1 ] || tail -n 6 "$OUT/conformance-moe_experts_mxfp4-adopt.log" | cut -c1-220
+    LIMIT=${LIMIT:-150} LIMIT_MODEL=${LIMIT_MODEL:-200} mxfp4_bench
+}
+
 mxfp4_bench() {
     run "${LIMIT:-240}" mxfp4_bench.log "$PY" -m bench.moe_mxfp4_bench --out "$OUT" "$@"
     if [ "${MODEL_BENCH:-1}" != 0 ]; then
@@ -175,7 +200,8 @@ mxfp4_bench() {
     grep -hE "Traceback|Error:|refused" "$OUT/mxfp4_bench.log" "$OUT"/mxfp4_model.log 2>/dev/null | head -n 10 \
         | cut -c1-220
     for md in "$OUT"/moe-mxfp4-*.md; do
-        [ -e "$md" ] && sed -n '1,14p' "$md" | cut -c1-200
+        [ -e "$md" ] || continue
+        sed -n '1,14p' "$md" | cut -c1-200
     done
 }
 
@@ -233,6 +259,8 @@ case "$command" in
         mkdir -p "$OUT"; environment; serve_bench "$@" ;;
     mxfp4-bench)
         mkdir -p "$OUT"; environment; mxfp4_bench "$@" ;;
+    mxfp4-adopt)
+        mkdir -p "$OUT"; environment; mxfp4_adopt "$@" ;;
     -h|--help|help)
         usage ;;
     *)

@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     ["tune", "ncu", "kda_decode_64"],
     ["mxfp4", "--tiles", "bench/sweeps/stream.json", "--tokens", "1,4"],
     ["mxfp4-bench"],
+    ["mxfp4-adopt", "--tiles", "bench/sweeps/staged.json", "--tokens", "1,64"],
 ]
 
 
@@ -92,3 +93,40 @@ def test_the_mxfp4_bench_subcommand_runs_the_op_and_the_model_bench_unless_asked
     assert "bench.moe_mxfp4_bench" in both and "bench.moe_mxfp4_model" in both
     alone = _dry_run(["mxfp4-bench"], tmp_path, MODEL_BENCH="0").stdout
     assert "bench.moe_mxfp4_bench" in alone and "bench.moe_mxfp4_model" not in alone
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# records the tiles file each command ran with; as the sweep, writes a winners file when WRITE_WINNERS is set
+echo "${K3CORE_MXFP4_TILES:-unset} | $*" >> "$CALLS"
+case "$*" in *bench.moe_mxfp4_sweep*) [ -n "${WRITE_WINNERS:-}" ] && echo '{}' > "$OUT/moe-mxfp4-winners-x.json";; esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("sweep_wrote_winners", [True, False])
+def test_mxfp4_adopt_runs_conformance_and_benches_with_the_sweeps_winners(tmp_path, sweep_wrote_winners):
+    """One device call: the sweep, then the op's conformance and both benches with K3CORE_MXFP4_TILES naming the
+    winners file this sweep wrote (a stale one in $OUT is removed first); no winners, nothing adopted."""
+    fake, calls, out = tmp_path / "python", tmp_path / "calls.txt", tmp_path / "out"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out.mkdir()
+    (out / "moe-mxfp4-winners-stale.json").write_text("{}")
+    env = dict(os.environ, OUT=str(out), PYTHON=str(fake), CALLS=str(calls), K3CORE_COMMIT="abc",
+               PATH=f"{tmp_path}:{os.environ['PATH']}")
+    env.pop("K3CORE_MXFP4_TILES", None)
+    if sweep_wrote_winners:
+        env["WRITE_WINNERS"] = "1"
+    done = subprocess.run(["bash", str(SCRIPT), "mxfp4-adopt", "--tokens", "64"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    lines = [line.split(" | ") for line in calls.read_text().splitlines() if " -m " in line]
+    ran = {next(p for p in args.split() if "." in p or p == "conformance"): tiles for tiles, args in lines}
+    assert ran["bench.moe_mxfp4_sweep"] == "unset"
+    if sweep_wrote_winners:
+        assert done.returncode == 0, done.stdout + done.stderr
+        winners = str(out / "moe-mxfp4-winners-x.json")
+        assert ran["conformance"] == ran["bench.moe_mxfp4_bench"] == ran["bench.moe_mxfp4_model"] == winners
+        assert not (out / "moe-mxfp4-winners-stale.json").exists()
+    else:
+        assert done.returncode != 0 and "nothing to adopt" in done.stdout
+        assert set(ran) == {"bench.moe_mxfp4_sweep"}

@@ -35,6 +35,12 @@ def test_smoke_sweep_times_checked_tiles_and_refuses_a_wrong_one(tmp_path, monke
     assert all(r["ms"] > 0 and r["error"] <= moe_mxfp4_sweep.SMOKE_TOL for r in data["results"] if r["status"] == "ok")
     winner = data["winners"]["decode"][0]
     assert winner in [r["tile"] for r in data["results"] if r["status"] == "ok"]
+    # the winners as a tiles file (K3CORE_MXFP4_TILES, kernels.triton.moe_mxfp4_tuned) and as a --tiles file
+    from kernels.triton.moe_mxfp4_tuned import read_tiles_file
+    winners_path = tmp_path / "moe-mxfp4-winners-smoke.json"
+    tiles, tails = read_tiles_file(str(winners_path))
+    assert list(tiles["decode"]) == winner and tails == {}
+    assert moe_mxfp4_sweep.tiles_from(str(winners_path))["decode"] == [moe_mxfp4_sweep.Candidate(tiles["decode"])]
     printed = capsys.readouterr().out
     assert "CHECK FAILED" in printed and 'paste: "decode": Mxfp4Tile(block_m=' in printed
     assert data["results"][3]["tile"][9] is True                       # the gemv tile was checked and timed

@@ -187,9 +187,10 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # tile that tied for decode_batch above) for the 64-token gap, each class's tile beside them in
 # bench/sweeps/coalesced.json; for the one-token edge, in bench/sweeps/staged.json, prologue (the grouping and x's
 # copy in one launch) and staged Gluon tiles (num_stages 2-4: the weight bytes copied by cp.async steps ahead;
-# offline sm_90 +32-41 instructions a step, two barriers, 72-80 registers at 8 rows). Both in one process:
-# `LIMIT=560 CONFORMANCE=0 bash scripts/gpu.sh mxfp4 --tiles bench/sweeps/coalesced.json,bench/sweeps/staged.json
-# --tokens 64,1,4,16,32,96`.
+# offline sm_90 +32-41 instructions a step, two barriers, 72-80 registers at 8 rows). Both in one process, then
+# the op's conformance and both MXFP4 benches on the winners (K3CORE_MXFP4_TILES, `moe_mxfp4_tuned`) in the same
+# device call: `bash scripts/gpu.sh mxfp4-adopt --tiles bench/sweeps/coalesced.json,bench/sweeps/staged.json
+# --tokens 64,1,4,16`.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
@@ -236,21 +237,26 @@ def mxfp4_row_class(num_pairs: int, num_experts: int) -> str:
 def mxfp4_tile(device: torch.device, num_pairs: int, num_experts: int, element_size: int = 2,
                dtype: torch.dtype | None = None, dims: tuple[int, int] | None = None) -> Mxfp4Tile:
     """The launch shape for a call: bf16 on sm_100 / gfx950 from `MXFP4_TILES_DOT_SCALED`, other NVIDIA bf16 from
-    `MXFP4_TILES_NVIDIA`, by mean rows per expert (bf16-only options dropped for another `dtype`, and the class's
-    swap tile, `SWAP_TILES_NVIDIA`, for a gluon or wgmma one where `dims` = (D, I) are not whole K steps or the
-    dtype is not bf16); elsewhere rows per block from the mean rows per expert (decode: one or two rows, so the
-    dot's smallest 16; prefill: taller blocks so that each weight tile is dequantised for more rows), not yet tuned
-    on a GPU. float32 activations
-    stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared memory on sm_90 (limit 227) and 96 KiB of LDS
-    on gfx942 (limit 64) in the offline compile (bench.kernel_resources)."""
+    `MXFP4_TILES_NVIDIA` (a tiles file's classes in its place when K3CORE_MXFP4_TILES names one:
+    `kernels.triton.moe_mxfp4_tuned`), by mean rows per expert (bf16-only options dropped for another `dtype`, and
+    the class's swap tile, `SWAP_TILES_NVIDIA`, for a gluon or wgmma one where `dims` = (D, I) are not whole K
+    steps or the dtype is not bf16); elsewhere rows per block from the mean rows per expert (decode: one or two
+    rows, so the dot's smallest 16; prefill: taller blocks so that each weight tile is dequantised for more rows),
+    not yet tuned on a GPU. float32 activations stop at 64-row blocks: 128-row tiles asked for 256 KiB of shared
+    memory on sm_90 (limit 227) and 96 KiB of LDS on gfx942 (limit 64) in the offline compile
+    (bench.kernel_resources)."""
+    from kernels.triton.moe_mxfp4_tuned import nvidia_tables, refuse_where_unread  # (it imports this module)
     rows_per_expert = num_pairs / max(1, num_experts)
+    if target(device) != "nvidia" or current_arch() in DOT_SCALED_ARCHES:
+        arch = current_arch()
+        refuse_where_unread(arch if arch == target(device) else f"{target(device)} ({arch})")
     if target(device) == "interpreter":
         return INTERPRETER_TILE
     if element_size <= 2 and current_arch() in DOT_SCALED_ARCHES:
         return MXFP4_TILES_DOT_SCALED[mxfp4_row_class(num_pairs, num_experts)]
     if target(device) == "nvidia" and element_size <= 2:
         row_class = mxfp4_row_class(num_pairs, num_experts)
-        tile = MXFP4_TILES_NVIDIA[row_class]
+        tile = nvidia_tables()[0][row_class]
         if (tile.gluon or tile.wgmma) and (dtype not in (None, torch.bfloat16) or (
                 dims is not None and any(d % tile.block_k for d in dims))):
             tile = SWAP_TILES_NVIDIA[row_class]            # gluon / wgmma: bf16 and whole K steps only
@@ -269,7 +275,8 @@ def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_e
     some expert does would cost a host sync)."""
     if target(device) != "nvidia" or dtype not in (None, torch.bfloat16) or current_arch() in DOT_SCALED_ARCHES:
         return None
-    tail = MXFP4_TAIL_TILES_NVIDIA.get(mxfp4_row_class(num_pairs, num_experts))
+    from kernels.triton.moe_mxfp4_tuned import nvidia_tables  # (it imports this module)
+    tail = nvidia_tables()[1].get(mxfp4_row_class(num_pairs, num_experts))
     if tail is None or num_pairs <= tile.height * max(1, num_experts):
         return None
     return tail
