@@ -25,9 +25,8 @@ short keeps what it finished.
 `--tiles FILE` replaces the candidates: a JSON object from row class to a list of `Mxfp4Tile` fields by name
 (absent fields take their defaults), each optionally with "tail": the fields of the tail blocks' tile (two block
 heights, `moe_blocks.split_tail_pairs`), or to one such tile (a winners file); only the cases of the classes it
-names run. `--tiles A.json,B.json`
-sweeps several files' candidates in one process (one device call), each class's lists joined in order with
-repeats dropped. `--tokens 1,512` picks the cases.
+names run. `--tiles A.json,B.json` sweeps several files' candidates in one process (one device call), each class's
+lists joined in order with repeats dropped. `--tokens 1,512` picks the cases.
 """
 from __future__ import annotations
 
@@ -424,7 +423,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         bf16[case_results[0].case] = bf16_ms
         path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],
                                     "winners": _winners(results)}, indent=2))
-        winners_path.write_text(json.dumps(winners_file(_winners(results)), indent=1) + "\n")
+        if _winners(results):                   # no file while no tile has passed: nothing to adopt
+            winners_path.write_text(json.dumps(winners_file(_winners(results)), indent=1) + "\n")
         if lost:
             break
     print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path} and the winners to {winners_path} "

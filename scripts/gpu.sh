@@ -69,7 +69,9 @@ environment() {
     fi
     export K3CORE_COMMIT
     echo "commit $K3CORE_COMMIT"
-    if [ -n "${K3CORE_MXFP4_TILES:-}" ]; then echo "K3CORE_MXFP4_TILES=$K3CORE_MXFP4_TILES (replaces MXFP4_TILES_NVIDIA)"; fi
+    if [ -n "${K3CORE_MXFP4_TILES:-}" ]; then
+        echo "K3CORE_MXFP4_TILES=$K3CORE_MXFP4_TILES (replaces MXFP4_TILES_NVIDIA)"
+    fi
 }
 
 # the fla-core anchor, from a wheel carried in .whl/ (the device machine has no package index)

@@ -130,3 +130,22 @@ def test_a_tile_that_ends_the_cuda_context_stops_the_sweep_with_its_results_writ
     data = json.loads((tmp_path / "moe-mxfp4-sweep-smoke.json").read_text())
     assert [(r["case"], r["status"]) for r in data["results"]] == [("decode T=3", "ok"), ("decode T=3", "error")]
     assert "did not run" in data["meta"]["aborted"] and len(faulted) == 1
+
+
+def test_no_winners_file_while_no_tile_has_passed(tmp_path, monkeypatch):
+    """gpu.sh mxfp4-adopt adopts the winners file: when every tile fails its check there is none to adopt, and no
+    file (an empty one would only be refused by every call that reads it)."""
+    real = moe_mxfp4_sweep.load
+
+    def load(target):
+        fn = real(target)
+        if target == "kernels.triton.moe_mxfp4:moe_experts_mxfp4":
+            return lambda *args, **kw: torch.zeros_like(fn(*args, **kw))
+        return fn
+
+    monkeypatch.setattr(moe_mxfp4_sweep, "load", load)
+    monkeypatch.setattr(moe_mxfp4_sweep, "SMOKE_TOKENS", (3,))
+    results = moe_mxfp4_sweep.main(["--smoke", "--out", str(tmp_path)])
+    assert results and all(r.status == "check failed" for r in results)
+    assert (tmp_path / "moe-mxfp4-sweep-smoke.json").exists()
+    assert not (tmp_path / "moe-mxfp4-winners-smoke.json").exists()
