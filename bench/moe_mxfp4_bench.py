@@ -28,6 +28,7 @@ import torch
 from bench.context import BenchContext, load, make_context, require_interpreter, results_dir
 from bench.timing import measure_ceilings
 from k3core.model.mxfp4 import max_scale_of
+from k3core.provenance import tuning_overrides
 from tools.tune.kernel_profile import markdown as kernel_profile_markdown
 from tools.tune.kernel_profile import profile_kernels
 
@@ -186,13 +187,6 @@ def _commit() -> str:
     return commit_under_test()
 
 
-def _overrides() -> dict:
-    """k3core.provenance's tuning files in place of committed tables ({} when none): a winners file under
-    K3CORE_MXFP4_TILES is what this bench then measured, not the commit's MXFP4_TILES_NVIDIA."""
-    from k3core.provenance import tuning_overrides
-    return tuning_overrides()
-
-
 def _markdown(meta: dict, rows: list[Row]) -> str:
     lines = [f"# moe_experts_mxfp4 vs moe_experts (bf16) on {meta['device']}", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; shapes "
@@ -236,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                 date=datetime.date.today().isoformat(), shape=shape, smoke=args.smoke, dtype=str(ctx.dtype),
-                copy_tbps=ceilings.copy_tbps, **_overrides())
+                copy_tbps=ceilings.copy_tbps, **tuning_overrides())   # a winners file in place of the table
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "moe-mxfp4-" + ("smoke" if args.smoke else device.lower().replace(" ", "-"))

@@ -42,9 +42,10 @@ from typing import NamedTuple
 import torch
 
 from bench.context import load, make_context, require_interpreter, results_dir
-from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, _overrides, expert_weights
+from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
 from bench.timing import measure_ceilings, sweep_timer
 from k3core.model.mxfp4 import max_scale_of
+from k3core.provenance import tuning_overrides
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (256, 512, 1024)   # 256: the mid class (37 rows per expert)
 SMOKE_TOKENS = (3, 40)                     # 1.5 and 20 rows per expert: the decode and the mid class
@@ -131,18 +132,15 @@ def _tiles_file(path: str) -> dict[str, list]:
     if not isinstance(spec, dict) or not spec:
         raise SystemExit(f"--tiles {path}: expected a JSON object from row class ({', '.join(classes)}) to a list "
                          "of tiles")
-    tile_from_fields = load("kernels.triton.moe_mxfp4_tuned:tile_from_fields")
+    entry_tiles = load("kernels.triton.moe_mxfp4_tuned:entry_tiles")
     out = {}
     for name, entries in spec.items():
         if name not in classes:
             raise SystemExit(f"--tiles {path}: unknown row class {name!r}; choose from {', '.join(classes)}")
         out[name] = []
         for entry in [entries] if isinstance(entries, dict) else entries:      # one tile: a winners file's entry
-            where = f"--tiles {path}: {name} entry {entry}"
             try:              # unchecked: a tile the rules refuse becomes its row's error, as a failed compile does
-                fields = {k: v for k, v in entry.items() if k != "tail"} if isinstance(entry, dict) else entry
-                tail = tile_from_fields(entry["tail"], where, check=False) if "tail" in entry else None
-                out[name].append(Candidate(tile_from_fields(fields, where, check=False), tail))
+                out[name].append(Candidate(*entry_tiles(entry, f"--tiles {path}: {name} entry {entry}", False)))
             except ValueError as exc:
                 raise SystemExit(str(exc)) from None
     return out
@@ -403,7 +401,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), shape=shape,
                 smoke=args.smoke, copy_tbps=ceilings.copy_tbps, tolerance=SMOKE_TOL if args.smoke else GPU_TOL,
-                **_overrides())
+                **tuning_overrides())
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "smoke" if args.smoke else device.lower().replace(" ", "-")

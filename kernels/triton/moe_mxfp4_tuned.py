@@ -36,14 +36,20 @@ def tile_from_fields(fields: dict, where: str, check: bool = True) -> Mxfp4Tile:
                          f"{', '.join(Mxfp4Tile._fields)})")
     try:
         tile = Mxfp4Tile(**fields)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc} (fields: {', '.join(Mxfp4Tile._fields)})") from None
-    try:
         if check:
             check_tile(tile)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     return tile
+
+
+def entry_tiles(entry: dict, where: str, check: bool = True) -> tuple[Mxfp4Tile, Mxfp4Tile | None]:
+    """(tile, tail tile or None) of one entry: a tile's fields, optionally with "tail" (the tail blocks' fields)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected an object of Mxfp4Tile fields, got {entry!r}")
+    tile = tile_from_fields({k: v for k, v in entry.items() if k != "tail"}, where, check)
+    tail = tile_from_fields(entry["tail"], f"{where} tail", check) if "tail" in entry else None
+    return tile, tail
 
 
 def read_tiles_file(path: str) -> tuple[dict[str, Mxfp4Tile], dict[str, Mxfp4Tile]]:
@@ -63,38 +69,31 @@ def read_tiles_file(path: str) -> tuple[dict[str, Mxfp4Tile], dict[str, Mxfp4Til
     for name, entry in spec.items():
         if name not in classes:
             raise ValueError(f"{where}: unknown row class {name!r}; choose from {', '.join(classes)}")
-        fields = {k: v for k, v in entry.items() if k != "tail"} if isinstance(entry, dict) else entry
-        tiles[name] = tile_from_fields(fields, f"{where}: {name}")
-        if isinstance(entry, dict) and "tail" in entry:
-            tails[name] = tile_from_fields(entry["tail"], f"{where}: {name} tail")
+        tiles[name], tail = entry_tiles(entry, f"{where}: {name}")
+        if tail is not None:
+            tails[name] = tail
     return tiles, tails
 
 
 @lru_cache(maxsize=4)
-def _read_cached(path: str, stamp: tuple[int, int]) -> tuple[dict[str, Mxfp4Tile], dict[str, Mxfp4Tile]]:
-    return read_tiles_file(path)
-
-
-def _override() -> tuple[str, dict[str, Mxfp4Tile], dict[str, Mxfp4Tile]] | None:
-    path = os.environ.get(TILES_ENV)
-    if not path:
-        return None
-    try:
-        stat = os.stat(path)
-    except OSError:
-        raise ValueError(f"{TILES_ENV}={path}: no such file") from None
-    return (path, *_read_cached(path, (stat.st_mtime_ns, stat.st_size)))
+def _merged(path: str, stamp: tuple[int, int]) -> tuple[dict[str, Mxfp4Tile], dict[str, Mxfp4Tile]]:
+    """The committed tables with the file's classes replaced, read once per version (`stamp`) of the file."""
+    tiles, tails = read_tiles_file(path)
+    kept_tails = {name: tile for name, tile in MXFP4_TAIL_TILES_NVIDIA.items() if name not in tiles}
+    return {**MXFP4_TILES_NVIDIA, **tiles}, {**kept_tails, **tails}
 
 
 def nvidia_tables() -> tuple[dict[str, Mxfp4Tile], dict[str, Mxfp4Tile]]:
     """`MXFP4_TILES_NVIDIA` and `MXFP4_TAIL_TILES_NVIDIA` with the file's classes replaced, when the variable is
     set; the committed tables otherwise."""
-    override = _override()
-    if override is None:
+    path = os.environ.get(TILES_ENV)
+    if not path:
         return MXFP4_TILES_NVIDIA, MXFP4_TAIL_TILES_NVIDIA
-    _, tiles, tails = override
-    kept_tails = {name: tile for name, tile in MXFP4_TAIL_TILES_NVIDIA.items() if name not in tiles}
-    return {**MXFP4_TILES_NVIDIA, **tiles}, {**kept_tails, **tails}
+    try:
+        stat = os.stat(path)
+    except OSError:
+        raise ValueError(f"{TILES_ENV}={path}: no such file") from None
+    return _merged(path, (stat.st_mtime_ns, stat.st_size))
 
 
 def refuse_where_unread(where: str) -> None:
