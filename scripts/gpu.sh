@@ -41,6 +41,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}
 DRY_RUN=${DRY_RUN:-0}
 PY=${PYTHON:-python3}
+GPU=gpu        # the card in report names (h100, h200, ...); environment() reads it from nvidia-smi
 
 usage() {
     sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -59,6 +60,9 @@ run() {
 environment() {
     [ "$DRY_RUN" = 1 ] && return 0
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | tr '[:upper:]' '[:lower:]' \
+          | grep -oE 'gb300|gb200|b300|b200|h200|h100|a100|l40s' | head -n 1)
+    GPU=${GPU:-gpu}
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'gpus', torch.cuda.device_count())"
     if [ -z "${K3CORE_COMMIT:-}" ]; then
@@ -89,18 +93,18 @@ conformance() {
     local ops=${1:-}
     if [ -z "$ops" ]; then
         run "${LIMIT:-420}" conformance.log "$PY" -m conformance --backend cuda --dtype bf16,fp32 --verbose \
-            --report "$OUT/conformance-cuda-h200" &
+            --report "$OUT/conformance-cuda-$GPU" &
     else
         ( for op in ${ops//,/ }; do
               run "${LIMIT:-150}" "conformance-$op.log" "$PY" -m conformance --backend cuda --op "$op" \
-                  --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-$op"
+                  --dtype bf16,fp32 --report "$OUT/conformance-cuda-$GPU-$op"
           done ) &
     fi
     local ops_job=$!
     run "${LIMIT:-420}" model_check.log "$PY" -m conformance.model_check --backend cuda --device cuda \
-        --dtype float32,bfloat16 --report "$OUT/model-cuda-h200"
+        --dtype float32,bfloat16 --report "$OUT/model-cuda-$GPU"
     run "${LIMIT:-420}" model_check_mxfp4.log "$PY" -m conformance.model_check --backend cuda --device cuda \
-        --dtype float32,bfloat16 --expert-format mxfp4 --report "$OUT/model-mxfp4-cuda-h200"
+        --dtype float32,bfloat16 --expert-format mxfp4 --report "$OUT/model-mxfp4-cuda-$GPU"
     wait $ops_job
     [ "$DRY_RUN" = 1 ] && return 0
     tail -n 40 "$OUT"/conformance*.log | cut -c1-220
@@ -164,7 +168,7 @@ parallel() {
 mxfp4() {
     if [ "${CONFORMANCE:-1}" != 0 ]; then
         run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4.log "$PY" -m conformance --backend cuda \
-            --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4"
+            --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-$GPU-moe_experts_mxfp4"
     fi
     run "${LIMIT:-330}" mxfp4_sweep.log "$PY" -m bench.moe_mxfp4_sweep --out "$OUT" "$@"
     [ "$DRY_RUN" = 1 ] && return 0
@@ -188,7 +192,7 @@ mxfp4_adopt() {
     echo "K3CORE_MXFP4_TILES=$winners"
     [ "$DRY_RUN" = 1 ] || cat "$winners"
     run "${LIMIT_CONFORMANCE:-120}" conformance-moe_experts_mxfp4-adopt.log "$PY" -m conformance --backend cuda \
-        --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-h200-moe_experts_mxfp4-adopt"
+        --op moe_experts_mxfp4 --dtype bf16,fp32 --report "$OUT/conformance-cuda-$GPU-moe_experts_mxfp4-adopt"
     [ "$DRY_RUN" = 1 ] || tail -n 6 "$OUT/conformance-moe_experts_mxfp4-adopt.log" | cut -c1-220
     LIMIT=${LIMIT:-150} LIMIT_MODEL=${LIMIT_MODEL:-200} mxfp4_bench
 }
