@@ -38,6 +38,18 @@ def test_group_of(name, group):
     assert group_of(name) == group
 
 
+def test_every_moe_kernel_is_grouped_as_moe():
+    """The expert kernels' names come from their sources, so a new variant (the Gluon decode was reported as
+    'other' on the H100) cannot fall out of the moe group unnoticed."""
+    import re
+    from pathlib import Path
+    names = set()
+    for source in Path(__file__).parent.parent.joinpath("kernels", "triton").glob("moe*.py"):
+        names |= set(re.findall(r"^def (\w+_kernel)\(", source.read_text(), flags=re.M))
+    assert {"gate_up_gluon_kernel", "down_wgmma_kernel", "_down_swap_kernel"} <= names
+    assert {name: group_of(name) for name in names} == {name: MOE for name in names}
+
+
 def test_rank_and_profile_refuse_what_they_cannot_measure():
     with pytest.raises(ValueError, match="steps"):
         rank([], steps=0, step_ms=None)

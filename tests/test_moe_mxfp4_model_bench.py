@@ -30,3 +30,31 @@ def test_a_failed_gate_prints_no_speedup(tmp_path, monkeypatch):
     assert moe_mxfp4_model.main(["--smoke", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "moe-mxfp4-model-smoke.json").read_text())
     assert "speedup_bs1" not in result and result["speedup"].startswith("not reported")
+
+
+def test_the_reference_keeps_routed_experts_as_held_and_gives_the_same_logits():
+    """The gate's float32 reference upcasts the bf16 experts expert by expert instead of holding a float32 copy
+    (63 GB for k3-mini, which did not fit the H100): same logits, bit for bit, as the all-float32 reference."""
+    import dataclasses
+
+    import torch
+
+    from k3core import LLM
+    from k3core.backend import OpSpec, select_ops
+    from k3core.llm import scratch_forward
+    from k3core.model.network import Network
+    llm = LLM("k3-tiny", backend="torch", device="cpu", dtype="bfloat16", seed=0, memory_bytes=64 << 20)
+    config = dataclasses.replace(llm.config, num_experts_per_token=llm.config.num_experts)
+    weights = llm.network.weights
+    kept = moe_mxfp4_model.reference_weights(weights)
+    routed = [name for name in weights if any(part in name for part in moe_mxfp4_model.ROUTED)]
+    assert routed and all(kept[name] is weights[name] for name in routed)
+    assert all(t.dtype == torch.float32 for n, t in kept.items() if n not in routed and t.is_floating_point())
+    prompt = list(range(3, 20))
+
+    def logits(held):
+        network = Network(config, held, select_ops("torch", OpSpec(config, torch.float32, torch.device("cpu"))))
+        return network.forward(*scratch_forward(config, prompt, torch.float32, torch.device("cpu")))
+    everything = {n: t.float() if t.is_floating_point() else t for n, t in weights.items()}
+    assert torch.equal(logits(kept), logits(everything))
+    llm.engine.close()

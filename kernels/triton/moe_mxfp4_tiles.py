@@ -182,18 +182,18 @@ SWAP_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
 # prefill blocks (one program an SM: 0.69-0.71x at 16K), 256-row blocks (0.56x).
 WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap=True,
                                       asm_decode=True, presplit=True, stacked=True, tail_m=32, wgmma=True)
-# Pending, never run on a GPU: coalesced_x, coalesced_w and half_blocks (and 16-row Gluon blocks capped at 80
-# registers: 6 programs an SM, 16-24 bytes of stack offline; 128-row ones uncapped, 166 registers, as the 16 x 128
-# tile that tied for decode_batch above) for the 64-token gap, each class's tile beside them in
-# bench/sweeps/coalesced.json; for the one-token edge, in bench/sweeps/staged.json, prologue (the grouping and x's
-# copy in one launch) and staged Gluon tiles (num_stages 2-4: the weight bytes copied by cp.async steps ahead;
-# offline sm_90 +32-41 instructions a step, two barriers, 72-80 registers at 8 rows). Both in one process, then
-# the op's conformance and both MXFP4 benches on the winners (K3CORE_MXFP4_TILES, `moe_mxfp4_tuned`) in the same
-# device call: `bash scripts/gpu.sh mxfp4-adopt --tiles bench/sweeps/coalesced.json,bench/sweeps/staged.json
-# --tokens 64,1,4,16`.
+# The coalesced and staged sweeps at 2365f32 on an H100 (bench/results/moe-mxfp4-{sweep,winners}-nvidia-h100-*;
+# `gpu.sh mxfp4-adopt --tiles bench/sweeps/coalesced.json,bench/sweeps/staged.json --tokens 64,1,4,16`): prologue
+# (the grouping and x's copy in one launch) adopted for both Gluon decode classes, the best at 1, 4 and 16 tokens
+# (3.06x / 3.40x / 3.41x the bf16 experts against 3.00x / 3.38x / 3.40x without it, same run: a small, consistent
+# gain). Not adopted: at 64 tokens the incumbent swap tile (3.03x) beat every coalesced_x / coalesced_w /
+# half_blocks Gluon tile (2.13-2.74x, 80-register caps worst, 1.88-2.32x) and the 16 x 128 one (2.54x), against
+# the L1-wavefront prediction; the staged Gluon K loop (num_stages 2, 3) lost at 1 and 4 tokens (2.01x / 1.84x at
+# 1 token, 2.19x / 2.01x at 4). Conformance with the winners: bf16 10/10, fp32 10/10. The H100 reads at 3.0 TB/s
+# (copy) against the H200's 4.25, so the same MXFP4 kernel times give it larger ratios over the bf16 experts.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True),
-    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True),
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True),
+    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
     "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
     "prefill": WGMMA_PREFILL_TILE_NVIDIA,

@@ -14,7 +14,8 @@ import torch
 
 # first matching pattern wins (lower-case substrings of the kernel name)
 GROUPS = (("gemm (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-          ("moe (Triton experts, bookkeeping, combine)", ("moe", "_gate_up_kernel", "_down_kernel", "_combine_kernel",
+          ("moe (Triton experts, bookkeeping, combine)", ("moe", "gate_up_", "_down_kernel", "down_gemv", "down_swap",
+                                                          "down_gluon", "down_wgmma", "_combine_kernel",
                                                           "group_pairs")),
           ("kda + short conv", ("kda", "conv")),
           ("mla", ("mla",)),
