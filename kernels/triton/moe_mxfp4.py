@@ -20,7 +20,7 @@ registers: `swap`), optionally with x loaded contiguously and split (`split_x`),
 before the kernels read it (`presplit`), gate and up rows stacked in one weight tile (`stacked`), or with
 `tl.dot_scaled` on the packed bytes (`scaled`, bf16 / fp16 only; the default on sm_100 and gfx950); the Gluon
 kernels of `moe_mxfp4_gluon` (`gluon`: mma.sync, decode sizes) and `moe_mxfp4_wgmma` (`wgmma`: prefill sizes, x in
-`kappa_columns` order, not yet run on a GPU); and the dot-free
+`kappa_columns` order); and the dot-free
 decode kernels of `kernels.triton.moe_mxfp4_gemv` (`gemv`: float32 multiply-adds over 1-16 rows per block, int32 word
 loads, one scale multiply per 8 weights). `bench.moe_mxfp4_sweep` checks and times them on the GPU and prints the
 winners for `MXFP4_TILES_NVIDIA` (`kernels.triton.moe_mxfp4_tiles`, whose names this module re-exports).

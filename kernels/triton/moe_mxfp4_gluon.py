@@ -89,7 +89,9 @@ def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: 
     60%); here STAGES - 1 steps more are, in 8 KiB of shared memory a stage at 64 rows. A thread reads back only
     what it copied, so its own wait would order each step; Triton's shared-memory analysis cannot see that and puts
     a barrier after each wait and one before each copy into the stage read a step earlier (two bar.sync a step in
-    the offline sm_90 SASS), so a program's four warps go through the steps together. Not yet timed on a GPU."""
+    the offline sm_90 SASS), so a program's four warps go through the steps together. On an H100 at 2365f32 it
+    lost to the plain loop (1 token: 2.01x / 1.84x the bf16 experts at 2 / 3 stages against 3.00x), so no default
+    tile stages."""
     stages = gl.allocate_shared_memory(gl.uint8, [STAGES, WEIGHT_ROWS // 16, 128, 16], _stage_smem_layout())
     copy_ptrs = gl.convert_layout(_thread_pieces(byte_ptrs, WEIGHT_ROWS, COALESCED_W), _stage_layout(WEIGHT_ROWS),
                                   assert_trivial=True)                      # [pieces, 128 threads, 16]
