@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 from bench.context import BenchContext, load, make_context, require_interpreter, results_dir
+from bench.report import device_slug
 from bench.timing import measure_ceilings
 from k3core.model.mxfp4 import max_scale_of
-from k3core.provenance import tuning_overrides
+from k3core.provenance import commit_under_test, tuning_overrides
 from tools.tune.kernel_profile import markdown as kernel_profile_markdown
 from tools.tune.kernel_profile import profile_kernels
 
@@ -180,13 +181,6 @@ def _tile_label(x: torch.Tensor, pairs: int, experts: int, max_scale: int | None
     return label(tile) + (f" + tail {label(tail)}" if tail is not None else "")
 
 
-def _commit() -> str:
-    """k3core.provenance's: K3CORE_COMMIT first (the device copy's .git can be stale: the prefill sweep at d36d367
-    recorded e1eb146 from it)."""
-    from k3core.provenance import commit_under_test
-    return commit_under_test()
-
-
 def _markdown(meta: dict, rows: list[Row]) -> str:
     lines = [f"# moe_experts_mxfp4 vs moe_experts (bf16) on {meta['device']}", "",
              f"commit {meta['commit']}, {meta['date']}, torch {meta['torch']}, triton {meta['triton']}; shapes "
@@ -228,12 +222,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows = [run_case(ctx, shape, phase, tokens, ceilings.copy_tbps, packed) for phase, tokens in cases]
     import triton
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
-    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=commit_under_test(),
                 date=datetime.date.today().isoformat(), shape=shape, smoke=args.smoke, dtype=str(ctx.dtype),
                 copy_tbps=ceilings.copy_tbps, **tuning_overrides())   # a winners file in place of the table
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "moe-mxfp4-" + ("smoke" if args.smoke else device.lower().replace(" ", "-"))
+    stem = "moe-mxfp4-" + ("smoke" if args.smoke else device_slug(ctx.device, smoke=False))
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
     text = _markdown(meta, rows)
     (out / f"{stem}.md").write_text(text)

@@ -33,12 +33,17 @@ import torch
 ROUTED = ("mlp.experts.w13", "mlp.experts.w2")
 
 
+def is_routed(name: str) -> bool:
+    """A routed expert's weight (the part of the model the expert format changes)."""
+    return any(part in name for part in ROUTED)
+
+
 def decode_weight_bytes(network, config) -> dict:
     """Bytes of the weights one decode token reads: all but the routed experts, plus top_k / num_experts of them."""
     routed = other = 0
     for name, tensor in network.weights.items():
         size = tensor.numel() * tensor.element_size()
-        if any(part in name for part in ROUTED):
+        if is_routed(name):
             routed += size
         else:
             other += size
@@ -51,7 +56,7 @@ def reference_weights(weights: dict) -> dict:
     (bf16, or packed MXFP4) because the torch reference upcasts (or dequantises) them expert by expert, and a
     bf16-to-float32 upcast is exact, so the reference is the same; a float32 copy of bf16 k3-mini's experts alone is
     63 GB, which with the model itself does not fit an 80 GB GPU."""
-    return {name: tensor.float() if tensor.is_floating_point() and not any(part in name for part in ROUTED)
+    return {name: tensor.float() if tensor.is_floating_point() and not is_routed(name)
             else tensor for name, tensor in weights.items()}
 
 
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "meta": meta, "copy_bytes_per_s": bandwidth, "formats": {}}
     tokens = {}
+    batch_sizes = sorted({1, args.concurrency})         # serving.ceiling's too
     for fmt in ("bf16", "mxfp4"):
         options = dict(memory_fraction=0.05) if device.type == "cuda" else dict(memory_bytes=128 << 20)
         llm = LLM(args.model, backend=backend, device=str(device), dtype=dtype, seed=0, expert_format=fmt,
@@ -164,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
                              smoke=args.smoke)
         ceiling = serving.ceiling(llm, ns, device)
         weights = decode_weight_bytes(llm.network, llm.config)
-        share = expert_share(llm, sorted({1, args.concurrency}), device)
+        share = expert_share(llm, batch_sizes, device)
         row = {"decode_step_ms_bs1": ceiling["decode_step_ms_bs1"],
                f"decode_step_ms_bs{args.concurrency}": ceiling[f"decode_step_ms_bs{args.concurrency}"],
                "weight_bytes": weights, "gate": {"relative_logit_error": error, "tolerance": tolerance,
                                                  "passed": error < tolerance},
                "experts": share}
-        for rows in sorted({1, args.concurrency}):
+        for rows in batch_sizes:
             share[f"rest_ms_bs{rows}"] = ceiling[f"decode_step_ms_bs{rows}"] - share[f"experts_ms_bs{rows}"]
         if device.type == "cuda":
             floor_ms = weights["total"] / bandwidth * 1e3     # read at the copy's DRAM rate (its reads + writes)

@@ -42,10 +42,11 @@ from typing import NamedTuple
 import torch
 
 from bench.context import load, make_context, require_interpreter, results_dir
-from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, _commit, expert_weights
+from bench.moe_mxfp4_bench import K3_SHAPE, SMOKE_SHAPE, expert_weights
+from bench.report import device_slug
 from bench.timing import measure_ceilings, sweep_timer
 from k3core.model.mxfp4 import max_scale_of
-from k3core.provenance import tuning_overrides
+from k3core.provenance import commit_under_test, tuning_overrides
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 4, 16, 64), (256, 512, 1024)   # 256: the mid class (37 rows per expert)
 SMOKE_TOKENS = (3, 40)                     # 1.5 and 20 rows per expert: the decode and the mid class
@@ -398,13 +399,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"experts built in {time.perf_counter() - started:.1f} s; copy {ceilings.copy_tbps:.2f} TB/s", flush=True)
     import triton
     device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu (interpreter)"
-    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=_commit(),
+    meta = dict(device=device, torch=torch.__version__, triton=triton.__version__, commit=commit_under_test(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), shape=shape,
                 smoke=args.smoke, copy_tbps=ceilings.copy_tbps, tolerance=SMOKE_TOL if args.smoke else GPU_TOL,
                 **tuning_overrides())
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "smoke" if args.smoke else device.lower().replace(" ", "-")
+    stem = "smoke" if args.smoke else device_slug(ctx.device, smoke=False)
     path, winners_path = out / f"moe-mxfp4-sweep-{stem}.json", out / f"moe-mxfp4-winners-{stem}.json"
     results: list[Result] = []
     bf16: dict[str, float] = {}
@@ -419,10 +420,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
             meta["aborted"] = f"{lost}: the tiles after it and the cases after this one did not run"
         results += case_results
         bf16[case_results[0].case] = bf16_ms
+        winners = _winners(results)
         path.write_text(json.dumps({"meta": meta, "bf16_ms": bf16, "results": [asdict(r) for r in results],
-                                    "winners": _winners(results)}, indent=2))
-        if _winners(results):                   # no file while no tile has passed: nothing to adopt
-            winners_path.write_text(json.dumps(winners_file(_winners(results)), indent=1) + "\n")
+                                    "winners": winners}, indent=2))
+        if winners:                             # no file while no tile has passed: nothing to adopt
+            winners_path.write_text(json.dumps(winners_file(winners), indent=1) + "\n")
         if lost:
             break
     print(f"\nsweep took {time.perf_counter() - started:.0f} s; wrote {path} and the winners to {winners_path} "

@@ -47,7 +47,7 @@ def test_the_reference_keeps_routed_experts_as_held_and_gives_the_same_logits():
     config = dataclasses.replace(llm.config, num_experts_per_token=llm.config.num_experts)
     weights = llm.network.weights
     kept = moe_mxfp4_model.reference_weights(weights)
-    routed = [name for name in weights if any(part in name for part in moe_mxfp4_model.ROUTED)]
+    routed = [name for name in weights if moe_mxfp4_model.is_routed(name)]
     assert routed and all(kept[name] is weights[name] for name in routed)
     assert all(t.dtype == torch.float32 for n, t in kept.items() if n not in routed and t.is_floating_point())
     prompt = list(range(3, 20))
