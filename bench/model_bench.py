@@ -91,10 +91,17 @@ def decode_bytes_per_token(config, dtype: torch.dtype, layout: PoolLayout, conte
         elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
             size = size // config.vocab_size                                     # one embedding row
         weights += size
+    state = sequence_state_bytes(layout, context_len)
+    return {"weights": weights, **state, "total": weights + state["kda_state"] + state["mla_kv"]}
+
+
+def sequence_state_bytes(layout: PoolLayout, context_len: int) -> dict:
+    """Bytes of one request's state a decode token moves: its KDA state and conv tails read and written, its MLA
+    context read and one latent written."""
     kda = layout.num_kda_layers * 2 * (layout.state_layer_bytes + layout.conv_layer_bytes)   # read + write
     latent_bytes = layout.latent_width * layout.kv_dtype.itemsize
     mla = layout.num_mla_layers * (context_len + 1) * latent_bytes               # read the context, write one
-    return {"weights": weights, "kda_state": kda, "mla_kv": mla, "total": weights + kda + mla}
+    return {"kda_state": kda, "mla_kv": mla}
 
 
 # ---- pools filled with random state ------------------------------------------------------------------------

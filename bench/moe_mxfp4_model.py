@@ -39,12 +39,15 @@ def is_routed(name: str) -> bool:
 
 
 def decode_weight_bytes(network, config) -> dict:
-    """Bytes of the weights one decode token reads: all but the routed experts, plus top_k / num_experts of them."""
+    """Bytes of the weights one decode token reads: all but the routed experts, plus top_k / num_experts of them,
+    and of an untied embedding table the token's one row (the lm_head is read whole)."""
     routed = other = 0
     for name, tensor in network.weights.items():
         size = tensor.numel() * tensor.element_size()
         if is_routed(name):
             routed += size
+        elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+            other += size // config.vocab_size
         else:
             other += size
     per_token_routed = routed * config.num_experts_per_token // max(1, config.num_experts)
@@ -133,6 +136,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from bench import serving
+    from bench.model_bench import sequence_state_bytes
     from k3core import LLM
     parser = argparse.ArgumentParser(prog="python -m bench.moe_mxfp4_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="k3-mini")
@@ -170,17 +174,19 @@ def main(argv: list[str] | None = None) -> int:
                              smoke=args.smoke)
         ceiling = serving.ceiling(llm, ns, device)
         weights = decode_weight_bytes(llm.network, llm.config)
+        state = sequence_state_bytes(llm.engine.pool.layout, args.context)
         share = expert_share(llm, batch_sizes, device)
         row = {"decode_step_ms_bs1": ceiling["decode_step_ms_bs1"],
                f"decode_step_ms_bs{args.concurrency}": ceiling[f"decode_step_ms_bs{args.concurrency}"],
-               "weight_bytes": weights, "gate": {"relative_logit_error": error, "tolerance": tolerance,
+               "weight_bytes": weights, "state_bytes_bs1": state, "gate": {"relative_logit_error": error, "tolerance": tolerance,
                                                  "passed": error < tolerance},
                "experts": share}
         for rows in batch_sizes:
             share[f"rest_ms_bs{rows}"] = ceiling[f"decode_step_ms_bs{rows}"] - share[f"experts_ms_bs{rows}"]
         if device.type == "cuda":
-            floor_ms = weights["total"] / bandwidth * 1e3     # read at the copy's DRAM rate (its reads + writes)
-            row["floor_ms_bs1_weights"] = floor_ms
+            floor_bytes = weights["total"] + state["kda_state"] + state["mla_kv"]
+            floor_ms = floor_bytes / bandwidth * 1e3          # read at the copy's DRAM rate (its reads + writes)
+            row["floor_ms_bs1"] = floor_ms
             row["floor_share_bs1"] = floor_ms / ceiling["decode_step_ms_bs1"]
             share["floor_ms_bs1"] = weights["routed_top_k"] / bandwidth * 1e3
         result["formats"][fmt] = row
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "formats"}, indent=1, default=str))
     for fmt, row in result["formats"].items():
         print(fmt, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                    if k not in ("weight_bytes", "experts")}, "weights read per token:", row["weight_bytes"]["total"])
+                    if k not in ("weight_bytes", "state_bytes_bs1", "experts")},
+              "weights read per token:", row["weight_bytes"]["total"])
         print(f"  {fmt} experts:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row["experts"].items()})
     return 0
 

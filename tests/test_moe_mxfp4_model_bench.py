@@ -58,3 +58,27 @@ def test_the_reference_keeps_routed_experts_as_held_and_gives_the_same_logits():
     everything = {n: t.float() if t.is_floating_point() else t for n, t in weights.items()}
     assert torch.equal(logits(kept), logits(everything))
     llm.engine.close()
+
+
+def test_the_floor_counts_what_a_decode_token_reads_as_the_model_bench_does():
+    """Both floors agree on the bf16 model: one row of an untied embedding table (not the whole table, 2.3 GB of
+    k3-mini's), the lm_head whole, top-k experts; the MXFP4 model's experts in packed bytes (codes and one scale
+    byte per 32 weights), everything else the same."""
+    import torch
+
+    from bench.model_bench import decode_bytes_per_token
+    from k3core import LLM
+    held = {}
+    for fmt in ("bf16", "mxfp4"):
+        llm = LLM("k3-tiny", backend="torch", device="cpu", dtype="bfloat16", seed=0, memory_bytes=64 << 20,
+                  expert_format=fmt)
+        held[fmt] = moe_mxfp4_model.decode_weight_bytes(llm.network, llm.config)
+        if fmt == "bf16":
+            config, layout = llm.config, llm.engine.pool.layout
+        llm.engine.close()
+    assert not config.tie_word_embeddings
+    expected = decode_bytes_per_token(config, torch.bfloat16, layout, context_len=24)
+    assert held["bf16"]["total"] == expected["weights"]
+    assert held["mxfp4"]["other"] == held["bf16"]["other"]
+    weights_routed = held["bf16"]["routed_all"] // 2                               # bf16: 2 bytes a weight
+    assert held["mxfp4"]["routed_all"] == weights_routed // 2 + weights_routed // 32
