@@ -9,7 +9,8 @@ Placement assumptions (the ones the numbers rest on):
   tensor by the parallel plan's rule, as the engine does: replicated tensors (embeddings, lm_head, router, the
   LatentMoE projections, norms) count in full on every GPU. Routed experts are held as `config.expert_format`
   says: MXFP4 (packed uint8 codes [.., K/2] + one E8M0 byte per 32 values = 4.25 bits) for the K3 release and
-  MXFP4 checkpoints, the model dtype otherwise; everything else is bf16, and fp32 where the weight table says so.
+  MXFP4 checkpoints, the model dtype otherwise; everything else is bf16, and fp32 where the weight table says so
+  and for the router, which the network holds in float32 (`k3core.model.held`). Fused projections are held once.
 * MLA KV: one [kv_lora_rank + rope] latent per token per MLA layer. TP does not split it (every head reads the
   whole latent); decode context parallelism spreads tokens over `dcp` GPUs (token i on rank i mod dcp), so a GPU
   holds 1/dcp of it.
@@ -29,6 +30,7 @@ import re
 from dataclasses import dataclass
 
 from k3core.config import EXPERT_FORMATS, ModelConfig, load_config
+from k3core.model.held import held_kind
 from k3core.model.weights import count_parameters, expected_tensors, is_routed_expert
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -95,7 +97,8 @@ def _tensor_bytes(config: ModelConfig, expert_format: str | None, dtype: str) ->
         if is_routed_expert(name) and expert_format is not None and expert_format not in EXPERT_FORMATS:
             sizes[name] = (spec.kind, numel * DTYPE_BYTES[expert_format])
         else:
-            sizes[name] = (spec.kind, numel * {"fp32": 4, "uint8": 1}.get(spec.kind, DTYPE_BYTES[dtype]))
+            kind = held_kind(name, spec)
+            sizes[name] = (kind, numel * {"fp32": 4, "uint8": 1}.get(kind, DTYPE_BYTES[dtype]))
     return sizes
 
 

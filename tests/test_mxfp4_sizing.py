@@ -11,17 +11,80 @@ from k3core.parallel.shard import shard_model
 from k3core.sizing import main as sizing_main, per_gpu_weights, weight_bytes
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+# Tensors a built network derives from the table and holds besides it (each well under 0.1% of K3's weights a GPU):
+# MLA's value-absorption matrix (a transposed copy of part of kv_b) and AttnRes's folded float32 queries.
+DERIVED = ("w_vc", "q_attn_res_attn", "q_attn_res_mlp", "q_attn_res_out")
+
+
+def held_storages(network) -> tuple[dict[int, int], int]:
+    """({storage pointer: bytes} of every tensor the network holds, bytes of the DERIVED ones among them)."""
+    storages, derived = {}, 0
+
+    def visit(obj, name: str, depth: int) -> None:
+        nonlocal derived
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in storages:
+                storages[storage.data_ptr()] = storage.nbytes()
+                derived += storage.nbytes() if name in DERIVED else 0
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, name, depth + 1)
+        elif isinstance(obj, dict):
+            for key, item in obj.items():
+                visit(item, key, depth + 1)
+        elif depth < 6 and hasattr(obj, "__dict__") and not callable(obj):
+            for key, item in vars(obj).items():
+                if key != "ops":
+                    visit(item, key, depth + 1)
+    visit(network.weights, "weights", 0)         # the table first: its storages are not derived
+    visit(network, "network", 0)
+    return storages, derived
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("expert_format", ["mxfp4", "bf16"])
-def test_per_gpu_weights_equal_what_shard_model_gives_a_rank(tp, ep, expert_format):
+def test_per_gpu_weights_equal_what_a_rank_network_holds(tp, ep, expert_format):
+    """Sizing counts what the built network holds: every tensor once (fused projections share the table's
+    storage, the float32 router replaces the bf16 one), sharded by the plan, nothing but DERIVED besides."""
+    from k3core.backend import OpSpec, select_ops
+    from k3core.llm import _own_storage
+    from k3core.model.network import Network
     # 64 expert columns: 32 per rank under tp=2, one whole MXFP4 scale group each
     config = ModelConfig.preset("k3-tiny").replace(expert_format=expert_format, moe_intermediate_size=64)
     weights = init_random_weights(config, seed=1, dtype=torch.bfloat16)
-    local = shard_model(config, weights, ParallelPlan(tp=tp, ep=ep), rank=1)
-    held = sum(t.numel() * t.element_size() for t in local.weights.values())
-    assert per_gpu_weights(config, tp=tp, ep=ep).total == held
-    packed = [t for name, t in local.weights.items() if ".mlp.experts." in name]
+    local = shard_model(config, weights, ParallelPlan(tp=tp, ep=ep), rank=tp - 1)
+    table = {name: _own_storage(t) for name, t in local.weights.items()}
+    ops = select_ops("torch", OpSpec(local.config, torch.bfloat16, torch.device("cpu")))
+    network = Network(local.config, table, ops, None, local.layer_ids, local.expert_offset)
+    storages, derived = held_storages(network)
+    assert per_gpu_weights(config, tp=tp, ep=ep).total == sum(storages.values()) - derived
+    assert sum(t.numel() * t.element_size() for t in network.weights.values()) == sum(storages.values()) - derived
+    packed = [t for name, t in network.weights.items() if ".mlp.experts." in name]
     assert all(t.dtype == (torch.uint8 if expert_format == "mxfp4" else torch.bfloat16) for t in packed)
+    assert network.layers[0].mixer.w_qkv.untyped_storage().data_ptr() == \
+        network.weights["model.layers.0.self_attn.q_proj.weight"].untyped_storage().data_ptr()
+
+
+def test_a_second_network_on_the_same_table_shares_its_fused_tensors():
+    """The correctness gates build more networks on a model's table: they must not copy the fused projections."""
+    from k3core.backend import OpSpec, select_ops
+    from k3core.model.network import Network
+    config = ModelConfig.preset("k3-tiny")
+    weights = init_random_weights(config, seed=1, dtype=torch.bfloat16)
+    ops = select_ops("torch", OpSpec(config, torch.bfloat16, torch.device("cpu")))
+    first = Network(config, weights, ops)
+    table = {name: t.untyped_storage().data_ptr() for name, t in weights.items()}
+    second = Network(config, weights, ops)
+    assert {name: t.untyped_storage().data_ptr() for name, t in weights.items()} == table
+    for a, b in zip(first.layers, second.layers):
+        held = [getattr(a.mlp, "shared", a.mlp).w_gate_up, getattr(b.mlp, "shared", b.mlp).w_gate_up]
+        if hasattr(a.mixer, "w_qkv"):
+            held += [a.mixer.w_qkv, b.mixer.w_qkv, a.mixer.conv_weight, b.mixer.conv_weight]
+        if hasattr(a.mlp, "w_router"):
+            held += [a.mlp.w_router, b.mlp.w_router]
+        assert all(t.untyped_storage().data_ptr() in table.values() for t in held)
+        assert held[0].data_ptr() == held[1].data_ptr()
 
 
 def test_tp_split_of_mxfp4_experts_needs_whole_scale_groups():

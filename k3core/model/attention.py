@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from k3core.config import ModelConfig
 from k3core.model.batch import ForwardBatch, StateViews
+from k3core.model.held import fuse_rows
 from k3core.ops import KdaGateParams
 
 
@@ -19,11 +20,11 @@ class KdaLayer:
         self.config = config
         self.kda_index = kda_index
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
-        # q, k, v projections fused into one GEMM; their depthwise conv weights packed the same way.
-        self.w_qkv = torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                w("self_attn.v_proj.weight")])                         # [3P, H]
-        self.conv_weight = torch.cat([w("self_attn.q_conv1d.weight"), w("self_attn.k_conv1d.weight"),
-                                      w("self_attn.v_conv1d.weight")]).squeeze(1).float()  # [3P, K_conv]
+        # q, k, v projections fused into one GEMM; their depthwise conv weights packed the same way (held once:
+        # the table's entries become views of the fused tensors)
+        self.w_qkv = fuse_rows(weights, [prefix + f"self_attn.{part}_proj.weight" for part in "qkv"])   # [3P, H]
+        conv = fuse_rows(weights, [prefix + f"self_attn.{part}_conv1d.weight" for part in "qkv"])       # [3P, 1, K]
+        self.conv_weight = conv.squeeze(1).float()                                      # [3P, K_conv] (fp32 held)
         self.w_f_a, self.w_f_b = w("self_attn.f_a_proj.weight"), w("self_attn.f_b_proj.weight")
         self.w_b = w("self_attn.b_proj.weight")
         self.gate = KdaGateParams(A_log=w("self_attn.A_log").float(), dt_bias=w("self_attn.dt_bias").float(),

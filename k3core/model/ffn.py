@@ -5,14 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from k3core.config import ModelConfig
+from k3core.model.held import fuse_rows, hold_float32
 from k3core.model.mxfp4 import max_scale_of
 
 
 class DenseMlp:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
         self.config = config
-        self.w_gate_up = torch.cat([weights[prefix + "gate_proj.weight"],
-                                    weights[prefix + "up_proj.weight"]])                # [2I, H]
+        self.w_gate_up = fuse_rows(weights, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])   # [2I, H]
         self.w_down = weights[prefix + "down_proj.weight"]                              # [H, I]
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,7 @@ class MoeMlp:
         self.reduce_routed = comm.tp.all_reduce if comm is not None and self.ep_group is None else None
         self.reduce_shared = comm.tp.all_reduce if comm else None
         self.expert_offset = expert_offset
-        self.w_router = w("gate.weight").float()                                       # [E, H]
+        self.w_router = hold_float32(weights, prefix + "gate.weight")                  # [E, H]
         self.correction_bias = w("gate.e_score_correction_bias").float() if config.router_correction_bias else None
         self.experts = RoutedExperts(config, weights, prefix + "experts.")
         self.shared = DenseMlp(config, weights, prefix + "shared_experts.") if config.num_shared_experts else None

@@ -1,0 +1,54 @@
+"""How the network holds the weight table's tensors, so that nothing is held twice and `k3core.sizing` can say
+exactly what a GPU holds.
+
+* Projections that read the same input run as one GEMM over their rows concatenated (KDA's q, k, v and their
+  short-conv weights; a GLU's gate and up). `fuse_rows` builds the concatenation once and turns the table's
+  entries into views of it, so the separate tensors are freed rather than kept beside the fused one (at K3's TP8
+  shapes that was 6.7 GB a GPU).
+* The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
+  selection computes: `held_kind` says which storage class a table entry is held in.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3core.model.weights import TensorSpec
+
+FLOAT32_HELD = ("mlp.gate.weight",)      # suffixes of "weight"-class tensors the network holds in float32
+
+
+def held_kind(name: str, spec: TensorSpec) -> str:
+    """The storage class `name` is held in once the network is built ("fp32" for the router, else the table's)."""
+    return "fp32" if spec.kind == "weight" and name.endswith(FLOAT32_HELD) else spec.kind
+
+
+def hold_float32(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """weights[name] in float32, replacing the table's entry (the upcast from bf16 or fp16 is exact)."""
+    weights[name] = weights[name].float()
+    return weights[name]
+
+
+def fuse_rows(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """One tensor of the named tensors' rows, in order; afterwards each weights[name] is a view of its rows.
+
+    Entries that are already consecutive views of one tensor (a second network built on the same table) are
+    returned as that tensor without a copy."""
+    parts = [weights[name] for name in names]
+    rows = sum(part.shape[0] for part in parts)
+    first = parts[0]
+    if all(_follows(prev, part) for prev, part in zip(parts, parts[1:])):
+        return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    fused = torch.cat(parts)
+    start = 0
+    for name, part in zip(names, parts):
+        weights[name] = fused[start: start + part.shape[0]]
+        start += part.shape[0]
+    return fused
+
+
+def _follows(prev: torch.Tensor, part: torch.Tensor) -> bool:
+    """`part` starts where the contiguous `prev` ends, in the same storage, with the same row shape."""
+    return (prev.is_contiguous() and part.is_contiguous() and prev.shape[1:] == part.shape[1:]
+            and prev.dtype == part.dtype and prev.device == part.device
+            and prev.untyped_storage().data_ptr() == part.untyped_storage().data_ptr()
+            and part.storage_offset() == prev.storage_offset() + prev.numel())
