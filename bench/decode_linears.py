@@ -1,5 +1,5 @@
-"""k3-mini's decode projections that read the same input, as the model runs them (one GEMM each) against one GEMM of
-their rows fused, at BS=1 and BS=64: whether fusing them would shorten the decode step, before the model does it.
+"""k3-mini's decode projections that read the same input, one GEMM each (as the model ran them before they were
+fused) against the one GEMM of their rows the model runs, at BS=1 and BS=64: what the fusion takes off a decode step.
 
     python -m bench.decode_linears [--model k3-mini] [--out DIR]        (GPU; --smoke: k3-tiny on the CPU)
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode-linears-{model}-{env['device_slug']}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"per decode step, fusing would save {result['saved_ms_bs1']:.3f} ms at BS=1 and "
+    print(f"per decode step, fusing saves {result['saved_ms_bs1']:.3f} ms at BS=1 and "
           f"{result['saved_ms_bs64']:.3f} ms at BS=64 ({path})")
     return 0 if all(r["checked"] for r in rows) else 1
 

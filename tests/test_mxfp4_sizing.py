@@ -62,7 +62,7 @@ def test_per_gpu_weights_equal_what_a_rank_network_holds(tp, ep, expert_format):
     assert sum(t.numel() * t.element_size() for t in network.weights.values()) == sum(storages.values()) - derived
     packed = [t for name, t in network.weights.items() if ".mlp.experts." in name]
     assert all(t.dtype == (torch.uint8 if expert_format == "mxfp4" else torch.bfloat16) for t in packed)
-    assert network.layers[0].mixer.w_qkv.untyped_storage().data_ptr() == \
+    assert network.layers[0].mixer.w_x.untyped_storage().data_ptr() == \
         network.weights["model.layers.0.self_attn.q_proj.weight"].untyped_storage().data_ptr()
 
 
@@ -78,11 +78,12 @@ def test_a_second_network_on_the_same_table_shares_its_fused_tensors():
     second = Network(config, weights, ops)
     assert {name: t.untyped_storage().data_ptr() for name, t in weights.items()} == table
     for a, b in zip(first.layers, second.layers):
-        held = [getattr(a.mlp, "shared", a.mlp).w_gate_up, getattr(b.mlp, "shared", b.mlp).w_gate_up]
-        if hasattr(a.mixer, "w_qkv"):
-            held += [a.mixer.w_qkv, b.mixer.w_qkv, a.mixer.conv_weight, b.mixer.conv_weight]
+        held = [getattr(a.mlp, "shared", a.mlp).w_gate_up, getattr(b.mlp, "shared", b.mlp).w_gate_up,
+                a.mixer.w_x, b.mixer.w_x]
+        if hasattr(a.mixer, "conv_weight"):
+            held += [a.mixer.conv_weight, b.mixer.conv_weight]
         if hasattr(a.mlp, "w_router"):
-            held += [a.mlp.w_router, b.mlp.w_router]
+            held += [a.mlp.w_router, b.mlp.w_router, a.mlp.w_x, b.mlp.w_x]
         assert all(t.untyped_storage().data_ptr() in table.values() for t in held)
         assert held[0].data_ptr() == held[1].data_ptr()
 

@@ -20,26 +20,28 @@ class KdaLayer:
         self.config = config
         self.kda_index = kda_index
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
-        # q, k, v projections fused into one GEMM; their depthwise conv weights packed the same way (held once:
-        # the table's entries become views of the fused tensors)
-        self.w_qkv = fuse_rows(weights, [prefix + f"self_attn.{part}_proj.weight" for part in "qkv"])   # [3P, H]
+        # Every projection of x is one GEMM: q, k, v, the forget gate's low-rank f_a, beta's b and the output gate's
+        # g (or its low-rank g_a), rows concatenated; the q/k/v depthwise conv weights are packed the same way. Held
+        # once: the table's entries become views of the fused tensors (k3core.model.held).
+        full_rank_gate = config.kda_output_gate == "full_rank"
+        names = [f"self_attn.{part}_proj.weight" for part in "qkv"] + [
+            "self_attn.f_a_proj.weight", "self_attn.b_proj.weight",
+            "self_attn.g_proj.weight" if full_rank_gate else "self_attn.g_a_proj.weight"]
+        self.x_rows = [sum(w(name).shape[0] for name in names[:3])] + [w(name).shape[0] for name in names[3:]]
+        self.w_x = fuse_rows(weights, [prefix + name for name in names])               # [3P + D + Hk + P|D, H]
         conv = fuse_rows(weights, [prefix + f"self_attn.{part}_conv1d.weight" for part in "qkv"])       # [3P, 1, K]
         self.conv_weight = conv.squeeze(1).float()                                      # [3P, K_conv] (fp32 held)
-        self.w_f_a, self.w_f_b = w("self_attn.f_a_proj.weight"), w("self_attn.f_b_proj.weight")
-        self.w_b = w("self_attn.b_proj.weight")
+        self.w_f_b = w("self_attn.f_b_proj.weight")
         self.gate = KdaGateParams(A_log=w("self_attn.A_log").float(), dt_bias=w("self_attn.dt_bias").float(),
                                   form=config.kda_gate, lower_bound=config.kda_gate_lower_bound)
-        if config.kda_output_gate == "full_rank":
-            self.w_g, self.w_g_a, self.w_g_b = w("self_attn.g_proj.weight"), None, None
-        else:
-            self.w_g, self.w_g_a, self.w_g_b = None, w("self_attn.g_a_proj.weight"), w("self_attn.g_b_proj.weight")
+        self.w_g_b = None if full_rank_gate else w("self_attn.g_b_proj.weight")
         self.w_o_norm, self.w_o = w("self_attn.o_norm.weight"), w("self_attn.o_proj.weight")
         self.scale = self.head_dim ** -0.5
 
     def forward(self, ops, x: torch.Tensor, batch: ForwardBatch, state: StateViews) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = (num_tokens, self.num_heads, self.head_dim)
-        qkv = F.linear(x, self.w_qkv)                                                   # [T, 3P]
+        qkv, f_a, beta_logits, g = F.linear(x, self.w_x).split(self.x_rows, dim=-1)   # [T, 3P], [T, D], [T, Hk]
         conv_state = state.conv_state(self.kda_index)
         if batch.is_decode:
             qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)
@@ -50,8 +52,7 @@ class KdaLayer:
             qkv = ops.short_conv_prefill(qkv, self.conv_weight, cu_seqlens, conv_state, slots,
                                          batch.has_initial_state)
         q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))                      # [T, Hk, D] each
-        f = F.linear(F.linear(x, self.w_f_a), self.w_f_b).reshape(heads)                # [T, Hk, D]
-        beta_logits = F.linear(x, self.w_b)                                             # [T, Hk]
+        f = F.linear(f_a, self.w_f_b).reshape(heads)                                   # [T, Hk, D]
         recurrent = state.kda_state(self.kda_index)
         if batch.is_decode:
             o = ops.kda_decode(q, k, v, f, beta_logits, self.gate, recurrent, batch.slot_positions, self.scale)
@@ -63,10 +64,7 @@ class KdaLayer:
             if snapshots is not None and snapshots.num_snapshots:
                 recurrent[snapshots.slot] = out.checkpoint_states[snapshots.rows].to(recurrent.dtype)
             o = out.output
-        if self.w_g is not None:
-            z = F.linear(x, self.w_g)
-        else:
-            z = F.linear(F.linear(x, self.w_g_a), self.w_g_b)
+        z = g if self.w_g_b is None else F.linear(g, self.w_g_b)                        # [T, P]
         o = ops.gated_rms_norm(o, z.reshape(heads), self.w_o_norm, self.config.rms_norm_eps)  # [T, Hk, D]
         return F.linear(o.reshape(num_tokens, -1), self.w_o)                            # [T, H]
 
@@ -104,30 +102,32 @@ class MlaLayer:
         self.num_heads = config.mla_num_heads
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
+        # Every projection of x is one GEMM: q (or its low-rank q_a), kv_a and the output gate, rows concatenated
+        # (held once, k3core.model.held).
+        names = ["self_attn.q_a_proj.weight" if config.q_lora_rank is not None else "self_attn.q_proj.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight"] + (["self_attn.g_proj.weight"] if config.mla_output_gate
+                                                           else [])
+        self.x_rows = [w(name).shape[0] for name in names]
+        self.w_x = fuse_rows(weights, [prefix + name for name in names])
         if config.q_lora_rank is not None:
-            self.w_q = None
-            self.w_q_a, self.w_q_a_norm = w("self_attn.q_a_proj.weight"), w("self_attn.q_a_layernorm.weight")
-            self.w_q_b = w("self_attn.q_b_proj.weight")
+            self.w_q_a_norm, self.w_q_b = w("self_attn.q_a_layernorm.weight"), w("self_attn.q_b_proj.weight")
         else:
-            self.w_q = w("self_attn.q_proj.weight")
-        self.w_kv_a, self.w_kv_a_norm = w("self_attn.kv_a_proj_with_mqa.weight"), w("self_attn.kv_a_layernorm.weight")
+            self.w_q_a_norm = self.w_q_b = None
+        self.w_kv_a_norm = w("self_attn.kv_a_layernorm.weight")
         self.w_kv_b = w("self_attn.kv_b_proj.weight")                                   # [Hm*(nope+v), r]
         kv_b = self.w_kv_b.reshape(self.num_heads, self.nope + self.v_dim, self.kv_rank)
         self.w_kc = kv_b[:, : self.nope, :]                                             # [Hm, nope, r]
         self.w_vc = kv_b[:, self.nope:, :].transpose(1, 2).contiguous()                 # [Hm, r, v]
-        self.w_gate = w("self_attn.g_proj.weight") if config.mla_output_gate else None
         self.w_o = w("self_attn.o_proj.weight")
         self.scale = config.qk_head_dim ** -0.5     # NoPE: no rotary, no YaRN mscale
 
     def forward(self, ops, x: torch.Tensor, batch: ForwardBatch, state: StateViews) -> torch.Tensor:
         num_tokens = x.shape[0]
         eps = self.config.mla_latent_norm_eps
-        if self.w_q is not None:
-            q = F.linear(x, self.w_q)
-        else:
-            q = F.linear(ops.rms_norm(F.linear(x, self.w_q_a), self.w_q_a_norm, eps), self.w_q_b)
+        q, kv_a, *gate = F.linear(x, self.w_x).split(self.x_rows, dim=-1)              # kv_a [T, r + rope]
+        if self.w_q_b is not None:
+            q = F.linear(ops.rms_norm(q, self.w_q_a_norm, eps), self.w_q_b)
         q = q.reshape(num_tokens, self.num_heads, self.nope + self.rope)                # [T, Hm, Dqk]
-        kv_a = F.linear(x, self.w_kv_a)                                                 # [T, r + rope]
         latent = torch.cat([ops.rms_norm(kv_a[:, : self.kv_rank], self.w_kv_a_norm, eps),
                             kv_a[:, self.kv_rank:]], dim=-1)                            # [T, D_latent]
         cache = state.mla_kv(self.mla_index)
@@ -138,8 +138,8 @@ class MlaLayer:
         else:
             o = self._prefill(ops, q, cache, batch)
         o = o.reshape(num_tokens, self.num_heads * self.v_dim)                          # [T, Hm*v]
-        if self.w_gate is not None:
-            o = o * torch.sigmoid(F.linear(x, self.w_gate))
+        if gate:
+            o = o * torch.sigmoid(gate[0])
         return F.linear(o, self.w_o)
 
     def _prefill(self, ops, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

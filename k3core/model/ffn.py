@@ -16,9 +16,13 @@ class DenseMlp:
         self.w_down = weights[prefix + "down_proj.weight"]                              # [H, I]
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return self.down(ops, F.linear(x, self.w_gate_up))
+
+    def down(self, ops, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of forward from the gate/up projection's output [T, 2I] (which a caller may have computed in a
+        larger GEMM)."""
         c = self.config
-        hidden = ops.glu_activation(F.linear(x, self.w_gate_up), c.activation, c.situ_beta, c.situ_linear_beta)
-        return F.linear(hidden, self.w_down)
+        return F.linear(ops.glu_activation(gate_up, c.activation, c.situ_beta, c.situ_linear_beta), self.w_down)
 
 
 class RoutedExperts:
@@ -66,12 +70,17 @@ class MoeMlp:
         self.w_router = hold_float32(weights, prefix + "gate.weight")                  # [E, H]
         self.correction_bias = w("gate.e_score_correction_bias").float() if config.router_correction_bias else None
         self.experts = RoutedExperts(config, weights, prefix + "experts.")
-        self.shared = DenseMlp(config, weights, prefix + "shared_experts.") if config.num_shared_experts else None
-        if config.moe_latent_size is not None:
-            self.w_latent_down = w("routed_expert_down_proj.weight")                    # [De, H]
-            self.w_latent_up = w("routed_expert_up_proj.weight")                        # [H, De]
-        else:
-            self.w_latent_down = self.w_latent_up = None
+        # With both a LatentMoE down projection and shared experts, both projections of x are one GEMM, rows
+        # concatenated (fused before the shared experts are built, so that their gate/up is a view of it).
+        latent, shared = config.moe_latent_size is not None, bool(config.num_shared_experts)
+        names = (["routed_expert_down_proj.weight"] if latent else []) + (
+            ["shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"] if shared else [])
+        self.x_rows = [w(names[0]).shape[0], sum(w(name).shape[0] for name in names[1:])] if latent and shared \
+            else None
+        self.w_x = fuse_rows(weights, [prefix + name for name in names]) if self.x_rows else None
+        self.shared = DenseMlp(config, weights, prefix + "shared_experts.") if shared else None
+        self.w_latent_down = w("routed_expert_down_proj.weight") if latent else None    # [De, H]
+        self.w_latent_up = w("routed_expert_up_proj.weight") if latent else None        # [H, De]
         self.w_latent_norm = w("routed_expert_norm.weight") if config.moe_latent_norm else None
 
     def forward(self, ops, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,11 @@ class MoeMlp:
         logits = F.linear(x.float(), self.w_router)                                    # [T, E] float32
         route = ops.moe_route(logits, self.correction_bias, c.num_experts_per_token, c.router_scoring,
                               c.moe_renormalize, c.routed_scaling_factor, c.num_expert_group, c.topk_group)
-        z = F.linear(x, self.w_latent_down) if self.w_latent_down is not None else x     # [T, De]
+        shared_gate_up = None
+        if self.w_x is not None:
+            z, shared_gate_up = F.linear(x, self.w_x).split(self.x_rows, dim=-1)          # [T, De], [T, 2I]
+        else:
+            z = F.linear(x, self.w_latent_down) if self.w_latent_down is not None else x  # [T, De]
         if self.ep_group is not None:
             from k3core.parallel.expert_dispatch import dispatch_experts
             y = dispatch_experts(ops, self.ep_group, z, route, self.experts, self.expert_offset, c)
@@ -92,6 +105,7 @@ class MoeMlp:
         if self.w_latent_up is not None:
             y = F.linear(y, self.w_latent_up)                                           # [T, H]
         if self.shared is not None:
-            shared = self.shared.forward(ops, x)
+            shared = (self.shared.forward(ops, x) if shared_gate_up is None
+                      else self.shared.down(ops, shared_gate_up))
             y = y + (self.reduce_shared(shared) if self.reduce_shared is not None else shared)
         return y
