@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         share = expert_share(llm, batch_sizes, device)
         row = {"decode_step_ms_bs1": ceiling["decode_step_ms_bs1"],
                f"decode_step_ms_bs{args.concurrency}": ceiling[f"decode_step_ms_bs{args.concurrency}"],
-               "weight_bytes": weights, "state_bytes_bs1": state, "gate": {"relative_logit_error": error, "tolerance": tolerance,
-                                                 "passed": error < tolerance},
+               "weight_bytes": weights, "state_bytes_bs1": state,
+               "gate": {"relative_logit_error": error, "tolerance": tolerance, "passed": error < tolerance},
                "experts": share}
         for rows in batch_sizes:
             share[f"rest_ms_bs{rows}"] = ceiling[f"decode_step_ms_bs{rows}"] - share[f"experts_ms_bs{rows}"]

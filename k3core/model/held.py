@@ -1,10 +1,11 @@
 """How the network holds the weight table's tensors, so that nothing is held twice and `k3core.sizing` can say
 exactly what a GPU holds.
 
-* Projections that read the same input run as one GEMM over their rows concatenated (KDA's q, k, v and their
-  short-conv weights; a GLU's gate and up). `fuse_rows` builds the concatenation once and turns the table's
-  entries into views of it, so the separate tensors are freed rather than kept beside the fused one (at K3's TP8
-  shapes that was 6.7 GB a GPU).
+* Projections that read the same input run as one GEMM over their rows concatenated (KDA's q, k, v, f_a, b and g,
+  and the q/k/v short-conv weights; MLA's q_a, kv_a and gate; a GLU's gate and up; the LatentMoE down projection
+  with the shared experts' gate and up). `fuse_rows` builds the concatenation once and turns the table's entries
+  into views of it, so the separate tensors are freed rather than kept beside the fused one (the q/k/v and gate/up
+  copies held beside the table were 6.7 GB a GPU at K3's TP8 shapes).
 * The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
   selection computes: `held_kind` says which storage class a table entry is held in.
 """
