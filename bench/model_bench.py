@@ -44,6 +44,7 @@ from k3core.llm import scratch_forward
 from k3core.memory import PoolLayout, UnifiedPool
 from k3core.model.batch import SeqWork, build_forward_batch
 from k3core.model.graph_decode import GraphDecode
+from k3core.model.held import held_kind
 from k3core.model.network import Network
 from k3core.model.weights import expected_tensors, init_random_weights
 from tools.tune.kernel_profile import markdown as kernel_profile_markdown
@@ -85,7 +86,7 @@ def decode_bytes_per_token(config, dtype: torch.dtype, layout: PoolLayout, conte
     """Bytes one decode token must move at BS=1: every weight it reads once, and its sequence state."""
     weights = 0
     for name, spec in expected_tensors(config).items():
-        size = math.prod(spec.shape) * (4 if spec.kind == "fp32" else dtype.itemsize)
+        size = math.prod(spec.shape) * (4 if held_kind(name, spec) == "fp32" else dtype.itemsize)   # as held
         if name.endswith(("mlp.experts.w13", "mlp.experts.w2")):
             size = size // config.num_experts * config.num_experts_per_token     # top-k experts of this layer
         elif name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
