@@ -7,7 +7,9 @@ Per layer type, the projections of one input (KDA: q, k, v, the gate's f_a, beta
 q_a, kv_a and the output gate; MoE: the LatentMoE down projection and the shared experts' gate/up) get random bf16
 weights of the model's shapes, one set per layer, so that a graph over all layers reads every weight from DRAM as the
 decode step does. Each variant's graph is timed; fused outputs are checked against the separate GEMMs' (the same
-products, summed in an order cuBLAS may choose differently) before any time is printed.
+products, summed in an order cuBLAS may choose differently) before any time is printed. A third variant pads the
+fused rows with zero rows to a multiple of PAD_ROWS (its "of copy" counts the unpadded bytes): whether cuBLAS's
+choice for an awkward row count (KDA's 6284 ran as a gemv kernel at 66% of copy) is worth padding away.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from bench.timing import Timer, measure_ceilings
 from k3core.config import load_config
 
 BATCHES = (1, 64)
+PAD_ROWS = 128          # the padded variant rounds the fused rows up to a multiple of this
 
 
 def groups(config) -> dict[str, tuple[int, list[int]]]:
@@ -52,13 +55,16 @@ def measure(config, device: torch.device, timer: Timer, copy_tbps: float) -> lis
         fused = [torch.randn(sum(outs), hidden, generator=generator, device=device).to(torch.bfloat16) * 0.02
                  for _ in range(layers)]
         parts = [list(w.split(outs)) for w in fused]                  # views: the same bytes, read separately
+        pad = -sum(outs) % PAD_ROWS
+        padded = [torch.cat([w, w.new_zeros(pad, hidden)]) for w in fused] if pad else fused
         weight_bytes = sum(outs) * hidden * 2 * layers
         for batch in BATCHES:
             x = torch.randn(batch, hidden, generator=generator, device=device).to(torch.bfloat16)
             separate = [torch.cat([F.linear(x, p) for p in layer], dim=-1) for layer in parts]
             joined = [F.linear(x, w) for w in fused]
+            joined_padded = [F.linear(x, w)[:, : sum(outs)] for w in padded]
             error = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                        for a, b in zip(separate, joined))
+                        for a, b in zip(separate + separate, joined + joined_padded))
             row = {"layer": kind, "layers": layers, "rows": outs, "batch": batch, "weight_bytes": weight_bytes,
                    "max_relative_difference": error, "checked": error < 2e-2}
             if row["checked"]:
@@ -70,10 +76,14 @@ def measure(config, device: torch.device, timer: Timer, copy_tbps: float) -> lis
                 def run_fused(fused=fused, x=x):
                     for w in fused:
                         F.linear(x, w)
-                for name, fn in (("separate", run_separate), ("fused", run_fused)):
+                def run_padded(padded=padded, x=x):
+                    for w in padded:
+                        F.linear(x, w)
+                for name, fn in (("separate", run_separate), ("fused", run_fused), ("padded", run_padded)):
                     timing = timer.time_graph([fn], min_calls=1)
                     row[f"{name}_ms"] = timing.ms
                     row[f"{name}_of_copy"] = weight_bytes / (timing.ms * 1e-3) / (copy_tbps * 1e12)
+                row["padded_rows"] = sum(outs) + pad
                 row["timing"] = timing.method
                 row["saved_ms"] = row["separate_ms"] - row["fused_ms"]
             rows_out.append(row)
@@ -86,7 +96,8 @@ def _line(row: dict) -> str:
     if not row["checked"]:
         return f"{head} CHECK FAILED: fused differs by {row['max_relative_difference']:.2e}; not timed"
     return (f"{head} separate {row['separate_ms']:.3f} ms ({100 * row['separate_of_copy']:.0f}% of copy)  fused "
-            f"{row['fused_ms']:.3f} ms ({100 * row['fused_of_copy']:.0f}%)  saved {row['saved_ms']:.3f} ms")
+            f"{row['fused_ms']:.3f} ms ({100 * row['fused_of_copy']:.0f}%)  saved {row['saved_ms']:.3f} ms; fused with "
+            f"rows padded to {row['padded_rows']}: {row['padded_ms']:.3f} ms ({100 * row['padded_of_copy']:.0f}%)")
 
 
 def main(argv: list[str] | None = None) -> int:
