@@ -68,19 +68,12 @@ def measure(config, device: torch.device, timer: Timer, copy_tbps: float) -> lis
             row = {"layer": kind, "layers": layers, "rows": outs, "batch": batch, "weight_bytes": weight_bytes,
                    "max_relative_difference": error, "checked": error < 2e-2}
             if row["checked"]:
-                def run_separate(parts=parts, x=x):
-                    for layer in parts:
-                        for p in layer:
-                            F.linear(x, p)
-
-                def run_fused(fused=fused, x=x):
-                    for w in fused:
-                        F.linear(x, w)
-                def run_padded(padded=padded, x=x):
-                    for w in padded:
-                        F.linear(x, w)
-                for name, fn in (("separate", run_separate), ("fused", run_fused), ("padded", run_padded)):
-                    timing = timer.time_graph([fn], min_calls=1)
+                variants = {"separate": [p for layer in parts for p in layer], "fused": fused, "padded": padded}
+                for name, matrices in variants.items():
+                    def run(matrices=matrices, x=x):
+                        for w in matrices:
+                            F.linear(x, w)
+                    timing = timer.time_graph([run], min_calls=1)
                     row[f"{name}_ms"] = timing.ms
                     row[f"{name}_of_copy"] = weight_bytes / (timing.ms * 1e-3) / (copy_tbps * 1e12)
                 row["padded_rows"] = sum(outs) + pad
