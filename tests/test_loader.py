@@ -273,6 +273,26 @@ def test_mxfp4_leading_expert_dimension():
     assert torch.equal(dequantize_mxfp4(packed, scale)[1], dequantize_mxfp4(packed[1], scale[1]))
 
 
+def test_mxfp4_quantize_works_in_bounded_chunks_with_the_same_result(monkeypatch):
+    """A whole expert stack is quantised in pieces of at most QUANTIZE_CHUNK_ELEMENTS (the nearest-code search
+    holds 32 bytes an element: k3-mini's gate/up in one piece needed 21 GiB and failed on an 80 GB GPU), and the
+    pieces give the bytes the one-piece search gives, also for a row count the chunk does not divide."""
+    from k3core.model import mxfp4
+    torch.manual_seed(0)
+    weight = torch.randn(3, 7, 256) * torch.logspace(-2, 2, 256)
+    whole = quantize_mxfp4(weight)                      # 5376 elements: one piece under the default bound
+    seen = []
+    real = mxfp4._quantize_rows
+    monkeypatch.setattr(mxfp4, "QUANTIZE_CHUNK_ELEMENTS", 1024)
+    monkeypatch.setattr(mxfp4, "_quantize_rows", lambda rows: seen.append(rows.numel()) or real(rows))
+    chunked = quantize_mxfp4(weight)
+    assert max(seen) <= 1024 and sum(seen) == weight.numel() and len(seen) == 6     # 21 rows, 4 a piece
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    assert chunked[0].shape == (3, 7, 128) and chunked[1].shape == (3, 7, 8)
+    empty = quantize_mxfp4(torch.zeros(0, 4, 64))
+    assert empty[0].shape == (0, 4, 32) and empty[1].shape == (0, 4, 2)
+
+
 def test_mxfp4_quantize_picks_nearest_representable_value():
     torch.manual_seed(0)
     weight = torch.randn(7, 96, dtype=torch.float64) * torch.logspace(-3, 3, 96, dtype=torch.float64)

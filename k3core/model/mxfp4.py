@@ -57,17 +57,34 @@ def max_scale_of(*scales: torch.Tensor) -> int:
     return max((int(scale.max()) for scale in scales if scale.numel()), default=0)
 
 
+QUANTIZE_CHUNK_ELEMENTS = 1 << 24   # elements quantised at once: the nearest-code search holds 8 floats of each
+
+
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., N, K] (K a multiple of 32) -> (packed uint8 [..., N, K/2], scale uint8 [..., N, K/32]).
 
     Each block of 32 gets the OCP shared exponent floor(log2(amax)) - 2; each element is rounded to the nearest
     representable E2M1 value (magnitudes above 6 saturate to 6), so dequantize(quantize(w)) is the nearest MXFP4
-    value of w under that scale.
+    value of w under that scale. Rows are quantised QUANTIZE_CHUNK_ELEMENTS at a time (each row on its own, so the
+    result does not depend on the chunking): the search's temporaries are 32 bytes an element, which for a whole
+    expert stack (k3-mini's gate/up, 0.7G elements) would not fit an 80 GB GPU.
     """
     num_k = weight.shape[-1]
     if num_k % BLOCK_SIZE:
         raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK_SIZE}, got {num_k}")
-    blocks = weight.detach().to(torch.float32).unflatten(-1, (num_k // BLOCK_SIZE, BLOCK_SIZE))  # [..., N, K/32, 32]
+    rows = weight.detach().reshape(-1, num_k)
+    step = max(1, QUANTIZE_CHUNK_ELEMENTS // num_k)
+    parts = [_quantize_rows(rows[start:start + step]) for start in range(0, max(rows.shape[0], 1), step)]
+    packed = torch.cat([part for part, _ in parts])
+    scale = torch.cat([part for _, part in parts])
+    return (packed.reshape(*weight.shape[:-1], num_k // 2).contiguous(),
+            scale.reshape(*weight.shape[:-1], num_k // BLOCK_SIZE).contiguous())
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_mxfp4` of float [R, K] in one piece."""
+    num_k = weight.shape[-1]
+    blocks = weight.to(torch.float32).unflatten(-1, (num_k // BLOCK_SIZE, BLOCK_SIZE))        # [..., N, K/32, 32]
     amax = blocks.abs().amax(dim=-1)                                                           # [..., N, K/32]
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - _E2M1_MAX_EXPONENT,
                            torch.zeros_like(amax))
@@ -79,4 +96,4 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = (index.to(torch.uint8) | sign).flatten(-2)                                          # [..., N, K]
     packed = code[..., 0::2] | (code[..., 1::2] << 4)                                          # low nibble = even k
     scale = (exponent + _SCALE_BIAS).to(torch.uint8)
-    return packed.contiguous(), scale.contiguous()
+    return packed, scale
