@@ -10,7 +10,8 @@ Placement assumptions (the ones the numbers rest on):
   LatentMoE projections, norms) count in full on every GPU. Routed experts are held as `config.expert_format`
   says: MXFP4 (packed uint8 codes [.., K/2] + one E8M0 byte per 32 values = 4.25 bits) for the K3 release and
   MXFP4 checkpoints, the model dtype otherwise; everything else is bf16, and fp32 where the weight table says so
-  and for the router, which the network holds in float32 (`k3core.model.held`). Fused projections are held once.
+  and for the router, which the network holds in float32 (`k3core.model.held`). Fused projections are held once,
+  KDA's with its zero padding rows (`kda_padding_rows`), counted with attention.
 * MLA KV: one [kv_lora_rank + rope] latent per token per MLA layer. TP does not split it (every head reads the
   whole latent); decode context parallelism spreads tokens over `dcp` GPUs (token i on rank i mod dcp), so a GPU
   holds 1/dcp of it.
@@ -30,7 +31,7 @@ import re
 from dataclasses import dataclass
 
 from k3core.config import EXPERT_FORMATS, ModelConfig, load_config
-from k3core.model.held import held_kind
+from k3core.model.held import held_kind, kda_padding_rows, kda_x_names
 from k3core.model.weights import count_parameters, expected_tensors, is_routed_expert
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -102,11 +103,27 @@ def _tensor_bytes(config: ModelConfig, expert_format: str | None, dtype: str) ->
     return sizes
 
 
+def _kda_padding_bytes(config: ModelConfig, tp: int, dtype: str) -> float:
+    """Bytes of the zero rows padding each KDA layer's fused x projection on one GPU (tp ranks: the head-split
+    projections hold 1/tp of their rows, f_a and g_a all of theirs; `k3core.parallel.plan`)."""
+    from k3core.parallel.plan import ParallelPlan
+    plan, specs = ParallelPlan(tp=tp), expected_tensors(config)
+    names = kda_x_names(config.kda_output_gate == "full_rank")
+    total = 0.0
+    for prefix in (name.removesuffix("self_attn.f_a_proj.weight") for name in specs
+                   if name.endswith("self_attn.f_a_proj.weight")):
+        rows = sum(specs[prefix + name].shape[0] // (tp if plan.weight_rule(prefix + name) == "rows" else 1)
+                   for name in names)
+        total += kda_padding_rows(rows) * specs[prefix + names[0]].shape[1] * DTYPE_BYTES[dtype]
+    return total
+
+
 def weight_bytes(config: ModelConfig, expert_format: str | None = None, dtype: str = "bf16") -> float:
     """Bytes of all weights as the engine holds them: routed experts in `expert_format` (default the config's:
     "mxfp4" packed codes and scales, "bf16" the model dtype `dtype`; "fp8" for estimates), the rest in `dtype`,
-    fp32 tensors in fp32."""
-    return float(sum(size for _, size in _tensor_bytes(config, expert_format, dtype).values()))
+    fp32 tensors in fp32, and KDA's fused padding rows."""
+    return float(sum(size for _, size in _tensor_bytes(config, expert_format, dtype).values())
+                 + _kda_padding_bytes(config, 1, dtype))
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,7 @@ def per_gpu_weights(config: ModelConfig, tp: int = 1, ep: int = 1, expert_format
             totals["dense_mlp"] += share
         else:
             totals["other"] += share
+    totals["attention"] += _kda_padding_bytes(config, tp, dtype)
     return PerGpuWeights(**totals)
 
 

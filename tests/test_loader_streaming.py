@@ -157,7 +157,7 @@ def _rank_main(rank: int, plan: ParallelPlan, device, directory: str, warmup: st
 
     llm = LLM(directory, backend="torch", device=str(device), dtype="float32", plan=plan, rank=rank, **ENGINE)
     packed = {name: t.dtype for name, t in llm.weights.items() if ".mlp.experts." in name}
-    held_bytes = sum(t.numel() * t.element_size() for t in llm.weights.values())
+    held_bytes = sum(t.numel() * t.element_size() for t in llm.weights.values()) + llm.network.padding_bytes
     sized = per_gpu_weights(config, tp=plan.tp, ep=plan.ep, dtype="fp32").total
     seen = []
     original = llm.engine._sample

@@ -59,7 +59,11 @@ def test_per_gpu_weights_equal_what_a_rank_network_holds(tp, ep, expert_format):
     network = Network(local.config, table, ops, None, local.layer_ids, local.expert_offset)
     storages, derived = held_storages(network)
     assert per_gpu_weights(config, tp=tp, ep=ep).total == sum(storages.values()) - derived
-    assert sum(t.numel() * t.element_size() for t in network.weights.values()) == sum(storages.values()) - derived
+    kda = [layer.mixer for layer in network.layers if hasattr(layer.mixer, "conv_weight")]
+    assert network.padding_bytes > 0 and all(mixer.w_x.shape[0] % 128 == 0 for mixer in kda)
+    assert all(not mixer.w_x[sum(mixer.x_rows):].any() for mixer in kda)                   # zero rows
+    assert sum(t.numel() * t.element_size() for t in network.weights.values()) == \
+        sum(storages.values()) - derived - network.padding_bytes
     packed = [t for name, t in network.weights.items() if ".mlp.experts." in name]
     assert all(t.dtype == (torch.uint8 if expert_format == "mxfp4" else torch.bfloat16) for t in packed)
     assert network.layers[0].mixer.w_x.untyped_storage().data_ptr() == \

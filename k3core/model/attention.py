@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from k3core.config import ModelConfig
 from k3core.model.batch import ForwardBatch, StateViews
-from k3core.model.held import fuse_rows
+from k3core.model.held import fuse_rows, kda_padding_rows, kda_x_names
 from k3core.ops import KdaGateParams
 
 
@@ -21,14 +21,15 @@ class KdaLayer:
         self.kda_index = kda_index
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
         # Every projection of x is one GEMM: q, k, v, the forget gate's low-rank f_a, beta's b and the output gate's
-        # g (or its low-rank g_a), rows concatenated; the q/k/v depthwise conv weights are packed the same way. Held
-        # once: the table's entries become views of the fused tensors (k3core.model.held).
+        # g (or its low-rank g_a), rows concatenated and padded with zero rows for cuBLAS; the q/k/v depthwise conv
+        # weights are packed the same way. Held once: the table's entries become views of the fused tensors
+        # (k3core.model.held).
         full_rank_gate = config.kda_output_gate == "full_rank"
-        names = [f"self_attn.{part}_proj.weight" for part in "qkv"] + [
-            "self_attn.f_a_proj.weight", "self_attn.b_proj.weight",
-            "self_attn.g_proj.weight" if full_rank_gate else "self_attn.g_a_proj.weight"]
+        names = kda_x_names(full_rank_gate)
         self.x_rows = [sum(w(name).shape[0] for name in names[:3])] + [w(name).shape[0] for name in names[3:]]
-        self.w_x = fuse_rows(weights, [prefix + name for name in names])               # [3P + D + Hk + P|D, H]
+        padding = kda_padding_rows(sum(self.x_rows))
+        self.x_split = self.x_rows + ([padding] if padding else [])
+        self.w_x = fuse_rows(weights, [prefix + name for name in names], padding)      # [3P + D + Hk + P|D + pad, H]
         conv = fuse_rows(weights, [prefix + f"self_attn.{part}_conv1d.weight" for part in "qkv"])       # [3P, 1, K]
         self.conv_weight = conv.squeeze(1).float()                                      # [3P, K_conv] (fp32 held)
         self.w_f_b = w("self_attn.f_b_proj.weight")
@@ -41,7 +42,7 @@ class KdaLayer:
     def forward(self, ops, x: torch.Tensor, batch: ForwardBatch, state: StateViews) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = (num_tokens, self.num_heads, self.head_dim)
-        qkv, f_a, beta_logits, g = F.linear(x, self.w_x).split(self.x_rows, dim=-1)   # [T, 3P], [T, D], [T, Hk]
+        qkv, f_a, beta_logits, g, *_ = F.linear(x, self.w_x).split(self.x_split, dim=-1)   # [T, 3P], [T, D], [T, Hk]
         conv_state = state.conv_state(self.kda_index)
         if batch.is_decode:
             qkv = ops.short_conv_decode(qkv, self.conv_weight, conv_state, batch.slot_positions)

@@ -6,6 +6,10 @@ exactly what a GPU holds.
   with the shared experts' gate and up). `fuse_rows` builds the concatenation once and turns the table's entries
   into views of it, so the separate tensors are freed rather than kept beside the fused one (the q/k/v and gate/up
   copies held beside the table were 6.7 GB a GPU at K3's TP8 shapes).
+* KDA's fused rows are padded with zero rows to a multiple of FUSED_ROW_MULTIPLE: cuBLAS picks a poor kernel for
+  k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-*: on an H100 at BS=64 61% of copy, padded to 6400
+  87%; at BS=1 81% and 86%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
+  `k3core.sizing` counts it.
 * The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
   selection computes: `held_kind` says which storage class a table entry is held in.
 """
@@ -16,6 +20,19 @@ import torch
 from k3core.model.weights import TensorSpec
 
 FLOAT32_HELD = ("mlp.gate.weight",)      # suffixes of "weight"-class tensors the network holds in float32
+FUSED_ROW_MULTIPLE = 128                 # KDA's fused x-projection rows are padded to a multiple of this
+
+
+def kda_x_names(full_rank_gate: bool) -> list[str]:
+    """The KDA projections of x fused into one GEMM, in row order (q, k, v, f_a, b, then g or its low-rank g_a)."""
+    return [f"self_attn.{part}_proj.weight" for part in "qkv"] + [
+        "self_attn.f_a_proj.weight", "self_attn.b_proj.weight",
+        "self_attn.g_proj.weight" if full_rank_gate else "self_attn.g_a_proj.weight"]
+
+
+def kda_padding_rows(rows: int) -> int:
+    """Zero rows after KDA's `rows` fused rows."""
+    return -rows % FUSED_ROW_MULTIPLE
 
 
 def held_kind(name: str, spec: TensorSpec) -> str:
@@ -29,17 +46,19 @@ def hold_float32(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return weights[name]
 
 
-def fuse_rows(weights: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """One tensor of the named tensors' rows, in order; afterwards each weights[name] is a view of its rows.
+def fuse_rows(weights: dict[str, torch.Tensor], names: list[str], padding: int = 0) -> torch.Tensor:
+    """One tensor of the named tensors' rows, in order, then `padding` zero rows; afterwards each weights[name] is
+    a view of its rows.
 
-    Entries that are already consecutive views of one tensor (a second network built on the same table) are
-    returned as that tensor without a copy."""
+    Entries that are already consecutive views of one tensor (a second network built on the same table), with its
+    padding after them, are returned as that tensor without a copy."""
     parts = [weights[name] for name in names]
-    rows = sum(part.shape[0] for part in parts)
+    rows = sum(part.shape[0] for part in parts) + padding
     first = parts[0]
-    if all(_follows(prev, part) for prev, part in zip(parts, parts[1:])):
+    if all(_follows(prev, part) for prev, part in zip(parts, parts[1:])) and (
+            first.storage_offset() + rows * first[0].numel()) * first.element_size() <= first.untyped_storage().nbytes():
         return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), first.storage_offset())
-    fused = torch.cat(parts)
+    fused = torch.cat(parts + ([first.new_zeros(padding, *first.shape[1:])] if padding else []))
     start = 0
     for name, part in zip(names, parts):
         weights[name] = fused[start: start + part.shape[0]]

@@ -88,6 +88,13 @@ class Network:
             if config.attn_res:
                 self.q_attn_res_out = _folded_query(weights, "model.output_attn_res_")
 
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes held in zero rows that pad fused projections (KDA's, `k3core.model.held`), outside every table
+        entry: what the network holds is its table's entries plus these (`k3core.sizing` counts both)."""
+        return sum((layer.mixer.w_x.shape[0] - sum(layer.mixer.x_rows)) * layer.mixer.w_x[0].nbytes
+                   for layer in self.layers if isinstance(layer.mixer, KdaLayer))
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, state: StateViews, stream: Stream | None = None):
         """Logits [R, V] float32 on the last stage; the outgoing Stream on earlier stages."""
