@@ -7,8 +7,8 @@ exactly what a GPU holds.
   into views of it, so the separate tensors are freed rather than kept beside the fused one (the q/k/v and gate/up
   copies held beside the table were 6.7 GB a GPU at K3's TP8 shapes).
 * KDA's fused rows are padded with zero rows to a multiple of FUSED_ROW_MULTIPLE: cuBLAS picks a poor kernel for
-  k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-*: on an H100 at BS=64 61% of copy, padded to 6400
-  87%; at BS=1 81% and 86%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
+  k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-nvidia-h100-*: at BS=64 61% of copy, padded to 6400
+  85%; at BS=1 80% and 83%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
   `k3core.sizing` counts it.
 * The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
   selection computes: `held_kind` says which storage class a table entry is held in.
@@ -55,8 +55,8 @@ def fuse_rows(weights: dict[str, torch.Tensor], names: list[str], padding: int =
     parts = [weights[name] for name in names]
     rows = sum(part.shape[0] for part in parts) + padding
     first = parts[0]
-    if all(_follows(prev, part) for prev, part in zip(parts, parts[1:])) and (
-            first.storage_offset() + rows * first[0].numel()) * first.element_size() <= first.untyped_storage().nbytes():
+    end = (first.storage_offset() + rows * first[0].numel()) * first.element_size()      # bytes, padding included
+    if all(_follows(prev, part) for prev, part in zip(parts, parts[1:])) and end <= first.untyped_storage().nbytes():
         return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), first.storage_offset())
     fused = torch.cat(parts + ([first.new_zeros(padding, *first.shape[1:])] if padding else []))
     start = 0

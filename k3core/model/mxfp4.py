@@ -84,7 +84,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_mxfp4` of float [R, K] in one piece."""
     num_k = weight.shape[-1]
-    blocks = weight.to(torch.float32).unflatten(-1, (num_k // BLOCK_SIZE, BLOCK_SIZE))        # [..., N, K/32, 32]
+    blocks = weight.to(torch.float32).unflatten(-1, (num_k // BLOCK_SIZE, BLOCK_SIZE))        # [R, K/32, 32]
     amax = blocks.abs().amax(dim=-1)                                                           # [..., N, K/32]
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0 ** -126))) - _E2M1_MAX_EXPONENT,
                            torch.zeros_like(amax))
