@@ -7,8 +7,8 @@ exactly what a GPU holds.
   into views of it, so the separate tensors are freed rather than kept beside the fused one (the q/k/v and gate/up
   copies held beside the table were 6.7 GB a GPU at K3's TP8 shapes).
 * KDA's fused rows are padded with zero rows to a multiple of FUSED_ROW_MULTIPLE: cuBLAS picks a poor kernel for
-  k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-nvidia-h100-*: at BS=64 61% of copy, padded to 6400
-  85%; at BS=1 80% and 83%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
+  k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-*: on the H200 at BS=1 a gemv at 66% of copy, padded
+  to 6400 78%; at BS=64 49% and 80%; on an H100 80/83% and 61/85%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
   `k3core.sizing` counts it.
 * The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
   selection computes: `held_kind` says which storage class a table entry is held in.
