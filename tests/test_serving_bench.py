@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench import serving
 
 
@@ -36,3 +38,22 @@ def test_serving_bench_smoke(tmp_path):
     assert len(web["repeat_ttft_ms_all"]) == serving.REPEATS and web["repeat_ttft_ms"] in web["repeat_ttft_ms_all"]
     assert sorted(web["repeat_ttft_ms_all"])[serving.REPEATS // 2] == web["repeat_ttft_ms"]
     assert (tmp_path / "serving-smoke.md").read_text().startswith("# Serving against its ceilings")
+
+
+def test_a_twin_model_that_does_not_fit_fails_only_its_section(tmp_path, monkeypatch):
+    """lone_prompt builds a second model beside the first (k3-mini twice does not fit an 80 GB H100): its out of
+    memory is recorded as that section's error and the sections after it still run."""
+    import k3core
+
+    real = k3core.LLM
+
+    def llm(model, **options):
+        if options.get("prefix_cache") is False:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(model, **options)
+
+    monkeypatch.setattr(k3core, "LLM", llm)
+    status = serving.main(["--smoke", "--out", str(tmp_path), "--sections", "lone_prompt,offline"])
+    result = json.loads((tmp_path / "serving-smoke.json").read_text())
+    assert status == 1 and result["errors"]["lone_prompt"].startswith("OutOfMemoryError")
+    assert "offline" in result and "lone_prompt" not in result
