@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from bench.report import environment
 from bench.timing import Timer, measure_ceilings
 from k3core.config import load_config
+from k3core.model.held import FUSED_ROW_MULTIPLE
 
 BATCHES = (1, 64)
-PAD_ROWS = 128          # the padded variant rounds the fused rows up to a multiple of this
+PAD_ROWS = FUSED_ROW_MULTIPLE     # the padded variant rounds the fused rows up to a multiple of the model's
 
 
 def groups(config) -> dict[str, tuple[int, list[int]]]:

@@ -148,44 +148,37 @@ def _union_us(ranges: list[tuple[float, float]]) -> float:
     return total
 
 
-def lone_prompt_beside(llm, common, args, device) -> dict:
-    """`lone_prompt` against a second model with the prefix cache off, built beside `llm` and freed after. Both
-    hold the weights: on a GPU that cannot (k3-mini twice is 84 GB, over an H100's 80) the section records the out
-    of memory and the bench goes on."""
+def lone_prompt(llm_on, common, args, device) -> dict:
+    """TTFT of a lone long prompt on `llm_on` and on a second model with the prefix cache off, built beside it and
+    freed after. Both hold the weights: on a GPU that cannot (k3-mini twice is 84 GB, over an H100's 80) the
+    section records the out of memory and the bench goes on."""
     import gc
 
     from k3core import LLM
-    options = dict(common, prefix_cache=False)
-    if device.type == "cuda":
-        options["memory_fraction"] = 0.15
-    cold = None
+    from k3core.sampling_params import SamplingParams
+    options = dict(common, prefix_cache=False, **({"memory_fraction": 0.15} if device.type == "cuda" else {}))
+    prompt = _random_prompt(llm_on.config.vocab_size, args.long_prompt, 7)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    out, llm_off = {}, None
     try:
-        cold = LLM(args.model, **options)
-        return lone_prompt(llm, cold, args, device)
+        llm_off = LLM(args.model, **options)
+        for name, llm in (("cache_on", llm_on), ("cache_off", llm_off)):
+            llm.generate([_random_prompt(llm.config.vocab_size, args.long_prompt, 8)], params)   # warm
+            llm.flush_cache()
+            times = []
+            for _ in range(1 if args.smoke else 2):
+                llm.flush_cache()
+                _sync(device)
+                start = time.perf_counter()
+                llm.generate([prompt], params)
+                _sync(device)
+                times.append((time.perf_counter() - start) * 1e3)
+            out[f"ttft_ms_{name}"] = min(times)
     finally:
-        del cold
+        del llm_off
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def lone_prompt(llm_on, llm_off, args, device) -> dict:
-    from k3core.sampling_params import SamplingParams
-    prompt = _random_prompt(llm_on.config.vocab_size, args.long_prompt, 7)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    out = {}
-    for name, llm in (("cache_on", llm_on), ("cache_off", llm_off)):
-        llm.generate([_random_prompt(llm.config.vocab_size, args.long_prompt, 8)], params)   # warm
-        llm.flush_cache()
-        times = []
-        for _ in range(1 if args.smoke else 2):
-            llm.flush_cache()
-            _sync(device)
-            start = time.perf_counter()
-            llm.generate([prompt], params)
-            _sync(device)
-            times.append((time.perf_counter() - start) * 1e3)
-        out[f"ttft_ms_{name}"] = min(times)
     out["steps_note"] = f"chunked_prefill_tokens {args.chunk}"
     return out
 
@@ -482,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         section("replay_busy", serving_steps.replay_busy, llm, args, device)
         section("mixed_steps", serving_steps.mixed_steps, llm, args, device)
         section("engine_steps", engine_steps, llm, args, device)
-        section("lone_prompt", lone_prompt_beside, llm, common, args, device)
+        section("lone_prompt", lone_prompt, llm, common, args, device)
         section("offline", offline, llm, args, prompts)
         section("offline_steps", serving_steps.offline_steps, llm, args, prompts)
         section("offline_threads", serving_steps.offline_threads, llm, args, prompts)

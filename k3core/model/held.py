@@ -8,8 +8,8 @@ exactly what a GPU holds.
   copies held beside the table were 6.7 GB a GPU at K3's TP8 shapes).
 * KDA's fused rows are padded with zero rows to a multiple of FUSED_ROW_MULTIPLE: cuBLAS picks a poor kernel for
   k3-mini's 6284 rows (bench/results/decode-linears-k3-mini-*: on the H200 at BS=1 a gemv at 66% of copy, padded
-  to 6400 78%; at BS=64 49% and 80%; on an H100 80/83% and 61/85%). The padding belongs to no table entry; `kda_padding_rows` says how much there is, and
-  `k3core.sizing` counts it.
+  to 6400 78%; at BS=64 49% and 80%; on an H100 80/83% and 61/85%). The padding belongs to no table entry;
+  `kda_padding_rows` says how much there is, and `k3core.sizing` counts it.
 * The router is stored in the model dtype (the checkpoints have it so) and held in float32, where expert
   selection computes: `held_kind` says which storage class a table entry is held in.
 """
