@@ -57,8 +57,9 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
     TRITON_INTERPRET=1 gives interpreter stand-ins). Streamed: gate/up's grid is (I / 32, blocks), so each block's
     programs start together; only down is launched with PDL; both keep decode_thin's 72 registers and 7 programs
     an SM; gate/up signals launch_dependents and, after a CTA barrier, makes one release increment; down polls with
-    an acquire load between naps, traps past the bound, and counts out with an acquire-release add. Plain (the
-    committed decode_thin tile): the grid (blocks, I / 32), no PDL and none of those instructions."""
+    an acquire load between naps, traps past the bound, counts out with an acquire-release add and makes a second
+    one into its column block's counter, and no combine kernel follows. Plain: the grid (blocks, I / 32), no PDL,
+    none of those instructions, and the combine launch after down."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         import triton
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -82,13 +83,19 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
                 found = ",".join(m for m in marks if m in ptx) or "-"
                 barrier_first = ptx.rfind("bar.sync", 0, ptx.find("atom.global.gpu.release")) >= 0
                 print(stream, launch.kernel, c.error or "ok", c.resources.registers, c.resources.occupancy,
-                      "x".join(map(str, launch.grid)), launch.options.get("launch_pdl"), found, barrier_first)
+                      "x".join(map(str, launch.grid)), launch.options.get("launch_pdl"), found, barrier_first,
+                      ptx.count("atom.global.gpu.acq_rel.add"))
+            print(stream, "launches", ",".join(launch.kernel for _, launch in recorder.launches))
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in result.stdout.splitlines()}
+    launches = {stream: rows.pop((stream, "launches"))[0] for stream in ("True", "False")}
+    assert launches == {"True": "_group_pairs_and_columns_kernel,gate_up_gluon_kernel,down_gluon_kernel",
+                        "False": "_group_pairs_and_columns_kernel,gate_up_gluon_kernel,down_gluon_kernel,"
+                                 "_combine_kernel"}, launches       # streamed, down writes the combine itself
     assert sorted(rows) == [("False", "down_gluon_kernel"), ("False", "gate_up_gluon_kernel"),
                             ("True", "down_gluon_kernel"), ("True", "gate_up_gluon_kernel")], result.stdout
-    for (stream, kernel), (status, registers, occupancy, grid, pdl, found, barrier_first) in rows.items():
+    for (stream, kernel), (status, registers, occupancy, grid, pdl, found, barrier_first, acq_rel) in rows.items():
         assert status == "ok" and int(registers) <= 72 and int(occupancy) >= 7, (stream, kernel, rows)
         gate_up = kernel.startswith("gate_up")
         if stream == "False":
@@ -100,6 +107,7 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
         else:
             assert (grid, pdl) == ("896", "True"), (grid, pdl)
             assert found == "ld.global.gpu.acquire,nanosleep,trap;,atom.global.gpu.acq_rel.add", found
+            assert acq_rel == "2", acq_rel             # the block's count-out and the column block's arrival
 
 
 def test_stream_waits_count_exactly_the_programs_each_block_launches():
@@ -145,4 +153,8 @@ def test_counter_invariant_names_what_a_pair_left_behind(monkeypatch):
         stream.check_invariants(cpu)
     stream.check_invariants(torch.device("cuda", 0))   # another device's buffers are not this one's
     with pytest.raises(ValueError, match="at most 65535"):
-        stream.stream_counters(cpu, 65536)
+        stream.stream_counters(cpu, 65536, 56)
+    with pytest.raises(ValueError, match="at most 4096 column blocks"):
+        stream.stream_counters(cpu, 16, 4097)
+    buffer = stream.stream_counters(cpu, 16, 56)       # the column counters are the buffer's tail
+    assert stream.column_counters(buffer).data_ptr() == buffer[-stream.MAX_COLUMN_BLOCKS:].data_ptr()

@@ -27,6 +27,8 @@ winners for `MXFP4_TILES_NVIDIA` (`kernels.triton.moe_mxfp4_tiles`, whose names 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -91,6 +93,21 @@ def _check_dtype(tile: Mxfp4Tile, x: torch.Tensor) -> None:
                          f"on an NVIDIA GPU, got {x.dtype} on {target(x.device)}; use a tile with asm_decode=False")
 
 
+class Combine(NamedTuple):
+    """What a streamed pair's down kernel needs to write the op's output itself (`combine_expert_rows`'
+    arguments but the rows)."""
+    out: torch.Tensor              # [T, D], x's dtype: the call's (chunk's) output
+    weights: torch.Tensor          # [T, k] routing weights
+    expert_ids: torch.Tensor       # [T, k] global expert ids
+    expert_offset: int
+
+    def flat(self) -> tuple:
+        """(weights float32, expert_ids int64, both flat-contiguous, expert_offset), as `combine_expert_rows`
+        passes them."""
+        return (self.weights.reshape(-1).to(torch.float32).contiguous(), self.expert_ids.long().contiguous(),
+                self.expert_offset)
+
+
 def _gate_up_args(x, packed, scale, hidden, blocks: ExpertBlocks, num_experts: int, hidden_dim: int, inter_dim: int,
                   situ_beta, situ_linear_beta) -> tuple:
     """The leading arguments every gate/up kernel takes (swap, x W^T, gemv with `packed` as words, gluon)."""
@@ -135,16 +152,17 @@ def _check_stream(tile: Mxfp4Tile, counters: torch.Tensor | None) -> None:
         raise ValueError(f"moe_experts_mxfp4: counters are a stream tile's, got {tile}")
 
 
-def _stream_counters(tile: Mxfp4Tile, device: torch.device, num_blocks: int) -> torch.Tensor | None:
-    """The streamed pair's counters (`moe_mxfp4_stream.stream_counters`) for a stream tile, else None. The pair's
-    down kernel is a programmatic dependent launch: NVIDIA sm_90+."""
+def _stream_counters(tile: Mxfp4Tile, device: torch.device, num_blocks: int,
+                     hidden_dim: int = 0) -> torch.Tensor | None:
+    """The streamed pair's counters (`moe_mxfp4_stream.stream_counters`) for a stream tile, else None; `hidden_dim`
+    sizes down's column blocks. The pair's down kernel is a programmatic dependent launch: NVIDIA sm_90+."""
     if not tile.stream:
         return None
     if target(device) != "nvidia" or nvidia_capability(device)[0] < 9:
         raise ValueError(f"moe_experts_mxfp4: a stream tile needs programmatic dependent launch (NVIDIA sm_90+), "
                          f"this device is {target(device)}; use a tile with stream=False")
     from kernels.triton.moe_mxfp4_stream import stream_counters  # noqa: PLC0415 (Gluon: NVIDIA only)
-    return stream_counters(device, num_blocks)
+    return stream_counters(device, num_blocks, triton.cdiv(hidden_dim, tile.down_block_n or tile.block_n))
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -240,10 +258,11 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
 
 def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, blocks: ExpertBlocks,
          tile: Mxfp4Tile, fold: bool = False, rows_out: torch.Tensor | None = None,
-         counters: torch.Tensor | None = None) -> torch.Tensor:
+         counters: torch.Tensor | None = None, combine: Combine | None = None) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten), into
     `rows_out` when given (a contiguous float32 view of that shape). `counters`: a stream tile's, the ones the
-    `gate_up` call just before counted into."""
+    `gate_up` call just before counted into. `combine` (a stream tile's only): the down kernel also writes
+    `combine.out`, what `combine_expert_rows` would from the rows."""
     check_tile(tile)
     _check_stream(tile, counters)
     _check_dtype(tile, hidden)
@@ -260,6 +279,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
+    if combine is not None and not tile.stream:
+        raise ValueError(f"moe_experts_mxfp4: only a stream tile's down kernel combines the rows, got {tile}")
     if tile.wgmma:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_wgmma import down_wgmma  # noqa: PLC0415 (Gluon: NVIDIA only)
@@ -273,7 +294,8 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         from kernels.triton.moe_mxfp4_gluon import down_gluon, kernel_shape  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
                    num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, kernel_shape(tile), counters,
-                   _registers(tile, hidden.device))
+                   _registers(tile, hidden.device),
+                   None if combine is None else (combine.out, blocks.row_of_pair, *combine.flat()))
         return rows_out
     if tile.gemv:
         _down_gemv_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](
@@ -326,6 +348,10 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
                                                                          num_experts, x.dtype)
         args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
                 situ_linear_beta, fold)
+        if chunk_tail is None and chunk_tile.stream:         # the streamed pair's down kernel combines
+            _one_height_rows(*args, ids, expert_offset, num_experts, chunk_tile,
+                             Combine(out[start:end], weights[start:end], ids, expert_offset))
+            continue
         if chunk_tail is None:
             rows_out, row_of_pair = _one_height_rows(*args, ids, expert_offset, num_experts, chunk_tile)
         else:
@@ -337,9 +363,10 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
 
 def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
                      situ_linear_beta, fold, expert_ids, expert_offset: int, num_experts: int,
-                     tile: Mxfp4Tile) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both GEMMs over blocks of `tile`'s height: the rows and each pair's row in them. A prologue tile groups the
-    pairs and orders x in one launch where the grouping is the one-program kernel; gate_up orders x otherwise."""
+                     tile: Mxfp4Tile, combine: Combine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both GEMMs over blocks of `tile`'s height: the rows and each pair's row in them (and with `combine`, a
+    stream tile's, their weighted sum in `combine.out`). A prologue tile groups the pairs and orders x in one
+    launch where the grouping is the one-program kernel; gate_up orders x otherwise."""
     ordered = tile.prologue and one_program(expert_ids.numel(), num_experts)
     if ordered:
         _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
@@ -348,17 +375,17 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
     else:
         blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, tile.height)
     rows_out = _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
-                            situ_linear_beta, fold, blocks, tile, ordered=ordered)
+                            situ_linear_beta, fold, blocks, tile, ordered=ordered, combine=combine)
     return rows_out, blocks.row_of_pair
 
 
 def _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta, situ_linear_beta,
                  fold, blocks: ExpertBlocks, tile: Mxfp4Tile, rows_out: torch.Tensor | None = None,
-                 ordered: bool = False) -> torch.Tensor:
-    counters = _stream_counters(tile, x.device, blocks.block_experts.numel())
+                 ordered: bool = False, combine: Combine | None = None) -> torch.Tensor:
+    counters = _stream_counters(tile, x.device, blocks.block_experts.numel(), w2_packed.shape[1])
     hidden = gate_up(x, w13_packed, w13_scale, blocks, top_k, activation, situ_beta, situ_linear_beta, tile, fold,
                      counters, ordered)
-    return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out, counters)
+    return down(hidden, w2_packed, w2_scale, blocks, tile, fold, rows_out, counters, combine)
 
 
 def _two_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,

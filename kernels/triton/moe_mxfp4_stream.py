@@ -28,7 +28,17 @@ both: every down program of the block had seen the full gate/up count before cou
 program of this call is left to count. Idle blocks are never counted. The next call's gate/up is an ordinary
 launch after this kernel, so it sees the zeros. The counters (`stream_counters`) are one buffer per device and
 stream, zeroed once when made. No counter is shared by the whole grid: an address takes one block's gate/up
-increments or down count-outs, and the polls of that block's down programs.
+increments or down count-outs and the polls of that block's down programs, or (below) the arrivals of one column
+block's down programs.
+
+Combine. The down kernel also does the pair's weighted sum over each token's choices (what
+`moe_experts.combine_expert_rows` does as its own launch after down, 4.8 us of K3's 102.8 us one-token call on the
+H200 at 85fe60b: a launch gap and a grid of four programs, with nothing else running). Every down program of a
+column block, busy or idle, stores its rows, meets the CTA barrier and makes one acquire-release increment of the
+column block's counter; the one that brings it to the grid's row-block count is the last, sees every other
+program's rows, zeroes the counter for the next call and sums the column block's columns for every token, choice
+by choice in the order j = 0..k-1 in float32 as the combine kernel does. The column counters sit past the row
+blocks' pairs in the same buffer, so `check_invariants` covers them.
 
 First run on the H200 at 8eaf6f9 (bench/results/moe-mxfp4-stream-nvidia-h200.*): checked against float64, the
 extreme scales, a repeated call and the zeroed counters, then 2.51x the bf16 experts at one token against 2.42x
@@ -70,6 +80,32 @@ def _await_count(counter_ptr, need):
 
 
 @gluon.jit
+def _combine_when_last(counter_ptr, row_blocks, rows_ptr, rows_row_stride, row_of_pair_ptr, weights_ptr,
+                       expert_ids_ptr, out_ptr, out_row_stride, num_tokens, top_k, expert_offset, num_experts, cols,
+                       hidden_dim):
+    """Count this down program into its column block (`counter_ptr`); the block's last of `row_blocks` programs
+    zeroes the counter and writes out[t, cols] = sum_j weights[t, j] * rows[row_of_pair[t * k + j], cols] for
+    every token, over the pairs whose expert is local, in float32 in the order j = 0..k-1 (this module's notes).
+    top_k is a runtime value, so the choice loop stays a loop (`moe_mxfp4_gluon._combine_columns` says why)."""
+    gl.thread_barrier()                                                # every thread's rows stored before the add
+    arrived = gl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == row_blocks - 1:
+        gl.store(counter_ptr, 0)
+        mask = cols < hidden_dim
+        for token in range(0, num_tokens):
+            acc = gl.zeros_like(cols, dtype=gl.float32)
+            for pair in range(token * top_k, token * top_k + top_k):
+                local = gl.load(expert_ids_ptr + pair) - expert_offset
+                mine = (local >= 0) & (local < num_experts)
+                # a foreign pair's row and weight are never used: its row may be a dump slot
+                row = gl.load(row_of_pair_ptr + pair, mask=mine, other=0)
+                weight = gl.load(weights_ptr + pair, mask=mine, other=0.0)
+                values = gl.load(rows_ptr + row * rows_row_stride + cols, mask=mask & mine, other=0.0)
+                acc += values * weight
+            gl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _count_out(block_counters_ptr, col_blocks):
     """Count this down program out of its block (the second counter of the pair); the block's last one zeroes
     both."""
@@ -81,6 +117,7 @@ def _count_out(block_counters_ptr, col_blocks):
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 MAX_BLOCKS = 65535                                # CUDA's grid y limit
+MAX_COLUMN_BLOCKS = 4096                          # down's column blocks (D / its rows a program), counted for combine
 
 
 def check_invariants(device: torch.device) -> None:
@@ -91,24 +128,33 @@ def check_invariants(device: torch.device) -> None:
         if where == str(device) and bool(counters.any()):
             left = counters.nonzero().flatten()[:8].tolist()
             raise AssertionError(f"moe_mxfp4_stream: counters of stream {stream:#x} on {where} left non-zero after a "
-                                 f"streamed pair, at {left} (even: gate/up counts, odd: down count-outs)")
+                                 f"streamed pair, at {left} (below {2 * MAX_BLOCKS}, even: gate/up counts, odd: down "
+                                 f"count-outs; from {2 * MAX_BLOCKS}: down's column blocks)")
 
 
-def stream_counters(device: torch.device, num_blocks: int) -> torch.Tensor:
-    """int32 [2 MAX_BLOCKS]: per row block, its finished gate/up programs and its counted-out down programs;
-    one buffer per device and stream, zero between streamed pairs (this module's notes). A graph capture's stream
-    gets its own, which every graph captured on that stream bakes in: two such graphs must not replay at once (the
-    engine replays one graph a step on one stream)."""
+def stream_counters(device: torch.device, num_blocks: int, column_blocks: int) -> torch.Tensor:
+    """int32 [2 MAX_BLOCKS + MAX_COLUMN_BLOCKS]: per row block, its finished gate/up programs and its counted-out
+    down programs, then per column block of down its arrived programs (`column_counters`); one buffer per device
+    and stream, zero between streamed pairs (this module's notes). A graph capture's stream gets its own, which
+    every graph captured on that stream bakes in: two such graphs must not replay at once (the engine replays one
+    graph a step on one stream)."""
     if num_blocks > MAX_BLOCKS:
         raise ValueError(f"moe_experts_mxfp4: a stream tile's gate/up grid has the row blocks on its y axis (at most "
                          f"{MAX_BLOCKS}); this call has {num_blocks}: use a tile with stream=False")
+    if column_blocks > MAX_COLUMN_BLOCKS:
+        raise ValueError(f"moe_experts_mxfp4: a stream tile's down kernel counts at most {MAX_COLUMN_BLOCKS} column "
+                         f"blocks; this call has {column_blocks} (D over the tile's rows a program): use wider "
+                         f"programs or a tile with stream=False")
     if device.type != "cuda":                     # an offline capture (backends.offline): recorded, never run
-        return torch.zeros(2 * num_blocks, dtype=torch.int32, device=device)
+        return torch.zeros(2 * num_blocks + MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
     key = (str(device), torch.cuda.current_stream(device).cuda_stream)
     counters = _COUNTERS.get(key)
-    if counters is None:    # sized once for the largest grid (512 KiB), never replaced: captured graphs keep it
-        counters = torch.zeros(2 * MAX_BLOCKS, dtype=torch.int32, device=device)
+    if counters is None:    # sized once for the largest grid (528 KiB), never replaced: captured graphs keep it
+        counters = torch.zeros(2 * MAX_BLOCKS + MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
 
 
+def column_counters(counters: torch.Tensor) -> torch.Tensor:
+    """The column blocks' counters of a `stream_counters` buffer (its last MAX_COLUMN_BLOCKS)."""
+    return counters[-MAX_COLUMN_BLOCKS:]
