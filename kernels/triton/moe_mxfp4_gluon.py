@@ -234,9 +234,9 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, num_experts, hidden_dim, inter_dim,
                       counters_ptr, column_counters_ptr, out_ptr, out_row_stride, row_of_pair_ptr, weights_ptr,
-                      expert_ids_ptr, num_tokens, top_k, expert_offset, BLOCK_M: gl.constexpr,
+                      expert_ids_ptr, num_tokens, expert_offset, BLOCK_M: gl.constexpr,
                       WEIGHT_ROWS: gl.constexpr, GATE_UP_COLS: gl.constexpr, SCALE_FOLD: gl.constexpr,
-                      STREAM: gl.constexpr, COMBINE: gl.constexpr, COALESCED_X: gl.constexpr,
+                      STREAM: gl.constexpr, COMBINE: gl.constexpr, TOP_K: gl.constexpr, COALESCED_X: gl.constexpr,
                       COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
     """One (row block, WEIGHT_ROWS columns of D): (W2 hidden^T) [WEIGHT_ROWS, BLOCK_M] over I, stored in float32
     at the sorted rows; GATE_UP_COLS: the columns of I a gate/up program writes (STREAM's count);
@@ -250,8 +250,8 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     if expert >= num_experts:
         if COMBINE:
             _combine_columns(column_counters_ptr, rows_out_ptr, rows_out_row_stride, row_of_pair_ptr, weights_ptr,
-                             expert_ids_ptr, out_ptr, out_row_stride, num_tokens, top_k, expert_offset, num_experts,
-                             hidden_dim, WEIGHT_ROWS)
+                             expert_ids_ptr, out_ptr, out_row_stride, num_tokens, expert_offset, num_experts,
+                             hidden_dim, TOP_K, WEIGHT_ROWS)
         return
     byte_ptrs, scale_ptrs = _weight_pointers(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                              scale_expert_stride, scale_row_stride, _down_rows(col_block, WEIGHT_ROWS),
@@ -268,24 +268,24 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         _down_rows_product(*args, BLOCK_M, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W, STAGES)
     if COMBINE:
         _combine_columns(column_counters_ptr, rows_out_ptr, rows_out_row_stride, row_of_pair_ptr, weights_ptr,
-                         expert_ids_ptr, out_ptr, out_row_stride, num_tokens, top_k, expert_offset, num_experts,
-                         hidden_dim, WEIGHT_ROWS)
+                         expert_ids_ptr, out_ptr, out_row_stride, num_tokens, expert_offset, num_experts, hidden_dim,
+                         TOP_K, WEIGHT_ROWS)
 
 
 @gluon.jit(noinline=True)
 def _combine_columns(column_counters_ptr, rows_out_ptr, rows_out_row_stride, row_of_pair_ptr, weights_ptr,
-                     expert_ids_ptr, out_ptr, out_row_stride, num_tokens, top_k, expert_offset, num_experts,
-                     hidden_dim, WEIGHT_ROWS: gl.constexpr):
+                     expert_ids_ptr, out_ptr, out_row_stride, num_tokens, expert_offset, num_experts, hidden_dim,
+                     TOP_K: gl.constexpr, WEIGHT_ROWS: gl.constexpr):
     """This down program's arrival in its column block; the block's last writes the combine of its columns
     (`moe_mxfp4_stream._combine_when_last`). A call, not inlined, with everything from the program id again: the
     decode_thin cap of 72 registers has none to spare, and inlined (even as a loop) its code made ptxas allocate
     the K loop differently, 6-26 more instructions a step in the offline sm_90 SASS; as a call the loop is
-    instruction for instruction the one without the combine (376, 16 bytes of stack)."""
+    instruction for instruction the one without the combine (376 a step, 16 bytes of stack)."""
     col_block = gl.program_id(0) % gl.cdiv(hidden_dim, WEIGHT_ROWS)          # as `_down_program` has it
     _combine_when_last(column_counters_ptr + col_block, gl.num_programs(0) // gl.cdiv(hidden_dim, WEIGHT_ROWS),
                        rows_out_ptr, rows_out_row_stride, row_of_pair_ptr, weights_ptr, expert_ids_ptr, out_ptr,
-                       out_row_stride, num_tokens, top_k, expert_offset, num_experts,
-                       _down_rows(col_block, WEIGHT_ROWS), hidden_dim)
+                       out_row_stride, num_tokens, expert_offset, num_experts, col_block * WEIGHT_ROWS, hidden_dim,
+                       TOP_K, WEIGHT_ROWS)
 
 
 @gluon.jit
@@ -328,15 +328,16 @@ def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows
     both contiguous), summed into out by each column block's last program."""
     stream = {"launch_pdl": True} if counters is not None else {}
     if combine is None:
-        combined = (None, None, 0, None, None, None, 0, 0, 0)
+        combined, top_k = (None, None, 0, None, None, None, 0, 0), 1
     else:
         if counters is None:
             raise ValueError("down_gluon: the combine is folded into the streamed pair's down kernel only")
         from kernels.triton.moe_mxfp4_stream import column_counters  # noqa: PLC0415
         out, row_of_pair, weights, expert_ids, expert_offset = combine
-        combined = (column_counters(counters), out, out.stride(0), row_of_pair, weights, expert_ids, *expert_ids.shape,
+        combined = (column_counters(counters), out, out.stride(0), row_of_pair, weights, expert_ids, expert_ids.shape[0],
                     expert_offset)
+        top_k = expert_ids.shape[1]
     down_gluon_kernel[(hidden_dim // rows * num_blocks,)](
         *args, counters, *combined, BLOCK_M=block_m, WEIGHT_ROWS=rows, GATE_UP_COLS=gate_up_rows // 2,
-        SCALE_FOLD=fold, STREAM=counters is not None, COMBINE=combine is not None, num_warps=4,
+        SCALE_FOLD=fold, STREAM=counters is not None, COMBINE=combine is not None, TOP_K=top_k, num_warps=4,
         **stream, **shape, **options)
