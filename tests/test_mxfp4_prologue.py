@@ -82,10 +82,10 @@ def test_prologue_refusals_name_what_is_wrong():
 
 
 def test_the_op_with_a_prologue_tile_makes_one_launch_before_gate_up_and_no_torch_copy():
-    """Offline sm_90, K3's per-GPU shapes: at 1 and 64 tokens a prologue tile's launches are the prologue and the
-    two Gluon GEMMs (the grouping kernel gone, `gluon_columns` never called, the streamed down kernel writing the
-    combine), the prologue compiling with no stack or spill; past the one-program grouping's 1024 pairs (96
-    tokens) the op keeps the torch grouping and gate/up's own copy of x."""
+    """Offline sm_90, K3's per-GPU shapes: at 1 and 64 tokens a prologue tile's launches are the prologue, the two
+    Gluon GEMMs and the combine (the grouping kernel gone, `gluon_columns` never called), the prologue compiling
+    with no stack or spill; past the one-program grouping's 1024 pairs (96 tokens) the op keeps the torch grouping
+    and gate/up's own copy of x."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton import moe_mxfp4_gluon_operands as moe_mxfp4_gluon
@@ -110,7 +110,7 @@ def test_the_op_with_a_prologue_tile_makes_one_launch_before_gate_up_and_no_torc
     """), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    gemms = "gate_up_gluon_kernel,down_gluon_kernel"            # the decode tile streams: no _combine_kernel
+    gemms = "gate_up_gluon_kernel,down_gluon_kernel,_combine_kernel"
     assert lines == [f"1 launches _group_pairs_and_columns_kernel,{gemms} copies 0", "1 compile ok 0 0",
                      f"64 launches _group_pairs_and_columns_kernel,{gemms} copies 0", "64 compile ok 0 0",
                      f"96 launches {gemms} copies 1"], lines

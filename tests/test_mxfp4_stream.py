@@ -26,6 +26,22 @@ def test_stream_is_an_option_of_the_gluon_tiles_only():
     moe_mxfp4.check_tile(STREAM_TILE)
     with pytest.raises(ValueError, match="stream is an option of the Gluon mma.sync"):
         moe_mxfp4.check_tile(moe_mxfp4.SWAP_TILES_NVIDIA["decode"]._replace(stream=True))
+    with pytest.raises(ValueError, match="fold_combine counts the streamed pair's down programs"):
+        moe_mxfp4.check_tile(STREAM_TILE._replace(stream=False))
+
+
+def test_only_a_fold_combine_tile_hands_down_the_output():
+    """The combine's arguments go to a down kernel that writes the output only with a fold_combine tile; any other
+    tile's down would leave the output unwritten, so it refuses them by name (before touching a tensor)."""
+    blocks = moe_mxfp4.ExpertBlocks(torch.zeros(8, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                    torch.zeros(1, dtype=torch.long))
+    hidden = torch.zeros(8, 512, dtype=torch.bfloat16)
+    w2 = torch.zeros(1, 256, 256, dtype=torch.uint8)
+    combine = moe_mxfp4.Combine(torch.zeros(1, 256), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="only a fold_combine tile's down kernel combines the rows"):
+        moe_mxfp4.down(hidden, w2, torch.zeros(1, 256, 16, dtype=torch.uint8), blocks,
+                       STREAM_TILE._replace(fold_combine=False), counters=torch.zeros(8, dtype=torch.int32),
+                       combine=combine)
 
 
 def test_the_two_gemms_of_a_stream_tile_share_one_counter_buffer():
@@ -72,7 +88,8 @@ def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
             with capture(target) as recorder:
                 moe_experts_mxfp4(torch.empty(1, D, dtype=torch.bfloat16), *w13, *w2, torch.full((1, K), 1 / K),
                                   torch.arange(K).view(1, K), "situ", 4.0, 25.0, max_scale=120,
-                                  tile=MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=stream))
+                                  tile=MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=stream,
+                                                                                  fold_combine=stream))
             for _, launch in recorder.launches:
                 if "gluon" not in launch.kernel:
                     continue

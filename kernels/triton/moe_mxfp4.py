@@ -261,10 +261,12 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
          counters: torch.Tensor | None = None, combine: Combine | None = None) -> torch.Tensor:
     """hidden W2^T for every sorted row -> [num_blocks * block_m, D] float32 (padding rows left unwritten), into
     `rows_out` when given (a contiguous float32 view of that shape). `counters`: a stream tile's, the ones the
-    `gate_up` call just before counted into. `combine` (a stream tile's only): the down kernel also writes
+    `gate_up` call just before counted into. `combine` (a fold_combine tile's only): the down kernel also writes
     `combine.out`, what `combine_expert_rows` would from the rows."""
     check_tile(tile)
     _check_stream(tile, counters)
+    if combine is not None and not tile.fold_combine:
+        raise ValueError(f"moe_experts_mxfp4: only a fold_combine tile's down kernel combines the rows, got {tile}")
     _check_dtype(tile, hidden)
     num_experts, hidden_dim, half_inter = w2_packed.shape
     inter_dim = 2 * half_inter
@@ -279,8 +281,6 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         raise ValueError(f"moe_experts_mxfp4: rows_out must be float32 {(num_blocks * tile.height, hidden_dim)}, "
                          f"got {rows_out.dtype} {tuple(rows_out.shape)}")
     block_n = tile.down_block_n or tile.block_n                        # output columns (of D) per program
-    if combine is not None and not tile.stream:
-        raise ValueError(f"moe_experts_mxfp4: only a stream tile's down kernel combines the rows, got {tile}")
     if tile.wgmma:
         _check_gluon(tile, hidden_dim, inter_dim)
         from kernels.triton.moe_mxfp4_wgmma import down_wgmma  # noqa: PLC0415 (Gluon: NVIDIA only)
@@ -348,7 +348,7 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
                                                                          num_experts, x.dtype)
         args = (x[start:end], w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,
                 situ_linear_beta, fold)
-        if chunk_tail is None and chunk_tile.stream:         # the streamed pair's down kernel combines
+        if chunk_tail is None and chunk_tile.fold_combine:   # the streamed pair's down kernel combines
             _one_height_rows(*args, ids, expert_offset, num_experts, chunk_tile,
                              Combine(out[start:end], weights[start:end], ids, expert_offset))
             continue
@@ -365,7 +365,7 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
                      situ_linear_beta, fold, expert_ids, expert_offset: int, num_experts: int,
                      tile: Mxfp4Tile, combine: Combine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both GEMMs over blocks of `tile`'s height: the rows and each pair's row in them (and with `combine`, a
-    stream tile's, their weighted sum in `combine.out`). A prologue tile groups the pairs and orders x in one
+    fold_combine tile's, their weighted sum in `combine.out`). A prologue tile groups the pairs and orders x in one
     launch where the grouping is the one-program kernel; gate_up orders x otherwise."""
     ordered = tile.prologue and one_program(expert_ids.numel(), num_experts)
     if ordered:

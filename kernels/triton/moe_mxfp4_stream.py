@@ -31,7 +31,7 @@ stream, zeroed once when made. No counter is shared by the whole grid: an addres
 increments or down count-outs and the polls of that block's down programs, or (below) the arrivals of one column
 block's down programs.
 
-Combine. The down kernel also does the pair's weighted sum over each token's choices (what
+Combine. With a fold_combine tile the down kernel also does the pair's weighted sum over each token's choices (what
 `moe_experts.combine_expert_rows` does as its own launch after down, 4.8 us of K3's 102.8 us one-token call on the
 H200 at 85fe60b: a launch gap and a grid of four programs, with nothing else running). Every down program of a
 column block, busy or idle, stores its rows, meets the CTA barrier and makes one acquire-release increment of the

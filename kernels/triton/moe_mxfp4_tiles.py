@@ -84,6 +84,9 @@ class Mxfp4Tile(NamedTuple):
     #                                one launch, side by side (`kernels.triton.moe_mxfp4_prologue`), where the
     #                                grouping is the one-program kernel (<= moe_blocks.SMALL_BATCH_PAIRS pairs);
     #                                bit for bit the same blocks and x
+    fold_combine: bool = False     # stream only: the down kernel writes the op's output itself (each column block's
+    #                                last program sums its columns, `kernels.triton.moe_mxfp4_stream`), no combine
+    #                                launch after it; bit for bit the combine kernel's sums
 
     @property
     def height(self) -> int:
@@ -191,8 +194,12 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # the L1-wavefront prediction; the staged Gluon K loop (num_stages 2, 3) lost at 1 and 4 tokens (2.01x / 1.84x at
 # 1 token, 2.19x / 2.01x at 4). Conformance with the winners: bf16 10/10, fp32 10/10. The H100 reads at 3.0 TB/s
 # (copy) against the H200's 4.25, so the same MXFP4 kernel times give it larger ratios over the bf16 experts.
+# fold_combine at ec980f8 on an H100 against 1a29702 in the same call (bench/results/moe-mxfp4-fold-*): 1 token
+# 0.1211 ms against 0.1243 (-2.6%, the same in a second run), 4 tokens -0.8%, 16 tokens +1.5% (the call to the
+# combine gives the 80-register down kernel a stack frame and 5 more instructions a K step; decode_thin's capped
+# loop is instruction for instruction unchanged), so decode_thin only.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True),
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
     "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
@@ -304,6 +311,9 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if tile.stream and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: stream is an option of the Gluon mma.sync decode kernels; set "
                          f"gluon=True, got {tile}")
+    if tile.fold_combine and not tile.stream:
+        raise ValueError(f"moe_experts_mxfp4: fold_combine counts the streamed pair's down programs; set stream=True, "
+                         f"got {tile}")
     if tile.prologue and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: prologue copies x into the Gluon mma.sync kernels' column order; set "
                          f"gluon=True, got {tile}")
