@@ -243,8 +243,9 @@ def down_gluon_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
     hidden is gate/up's presplit output. One grid axis, column blocks fastest (`moe_mxfp4_swap._down_swap_kernel`).
     STREAM (`moe_mxfp4_stream`): launched while gate/up still runs, each program waits for its own row block's
     gate/up programs only, and each block's last program zeroes the block's counters for the next call.
-    COMBINE (stream only): the column block's last program, busy or idle, also writes out = the weighted sum of
-    each token's rows (`moe_mxfp4_stream._combine_when_last`, what `combine_expert_rows` launches otherwise).
+    COMBINE (a fold_combine tile, stream only): the column block's last program, busy or idle, also writes out =
+    the weighted sum of each token's rows (`moe_mxfp4_stream._combine_when_last`, what `combine_expert_rows`
+    launches otherwise).
     HALF_BLOCKS: as gate/up's."""
     block, col_block, expert = _down_program(block_experts_ptr, hidden_dim, WEIGHT_ROWS)
     if expert >= num_experts:
@@ -334,9 +335,9 @@ def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows
             raise ValueError("down_gluon: the combine is folded into the streamed pair's down kernel only")
         from kernels.triton.moe_mxfp4_stream import column_counters  # noqa: PLC0415
         out, row_of_pair, weights, expert_ids, expert_offset = combine
-        combined = (column_counters(counters), out, out.stride(0), row_of_pair, weights, expert_ids, expert_ids.shape[0],
+        num_tokens, top_k = expert_ids.shape
+        combined = (column_counters(counters), out, out.stride(0), row_of_pair, weights, expert_ids, num_tokens,
                     expert_offset)
-        top_k = expert_ids.shape[1]
     down_gluon_kernel[(hidden_dim // rows * num_blocks,)](
         *args, counters, *combined, BLOCK_M=block_m, WEIGHT_ROWS=rows, GATE_UP_COLS=gate_up_rows // 2,
         SCALE_FOLD=fold, STREAM=counters is not None, COMBINE=combine is not None, TOP_K=top_k, num_warps=4,
