@@ -28,22 +28,6 @@ def test_stream_is_an_option_of_the_gluon_tiles_only():
         moe_mxfp4.check_tile(moe_mxfp4.SWAP_TILES_NVIDIA["decode"]._replace(stream=True))
     with pytest.raises(ValueError, match="fold_combine counts the streamed pair's down programs"):
         moe_mxfp4.check_tile(STREAM_TILE._replace(stream=False))
-    with pytest.raises(ValueError, match="pdl_prologue launches gate/up behind the prologue"):
-        moe_mxfp4.check_tile(STREAM_TILE._replace(prologue=False))
-
-
-def test_pdl_prologue_is_refused_without_programmatic_dependent_launch():
-    """The prologue's launch lets gate/up start early only on NVIDIA sm_90+; elsewhere the op says so before it
-    launches anything (here: the CPU, where the committed decode_thin tile cannot run)."""
-    experts, hidden, inter = 2, 256, 256
-    u8 = dict(dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"pdl_prologue needs programmatic dependent launch \(NVIDIA sm_90\+\)"):
-        moe_mxfp4.moe_experts_mxfp4(torch.zeros(1, hidden, dtype=torch.bfloat16),
-                                    torch.zeros(experts, 2 * inter, hidden // 2, **u8),
-                                    torch.zeros(experts, 2 * inter, hidden // 32, **u8),
-                                    torch.zeros(experts, hidden, inter // 2, **u8),
-                                    torch.zeros(experts, hidden, inter // 32, **u8), torch.ones(1, 2),
-                                    torch.tensor([[0, 1]]), "silu", None, None, tile=STREAM_TILE)
 
 
 def test_only_a_fold_combine_tile_hands_down_the_output():
@@ -87,67 +71,56 @@ def test_a_stream_tile_is_refused_without_programmatic_dependent_launch(vendor, 
 def test_stream_pair_compiles_for_sm90_with_its_protocol_in_place():
     """K3's one token (16 row blocks, I = 3072, D = 3584), offline sm_90, in a subprocess (conftest.py's
     TRITON_INTERPRET=1 gives interpreter stand-ins). Streamed: gate/up's grid is (I / 32, blocks), so each block's
-    programs start together; gate/up is launched with PDL behind the prologue (which signals launch_dependents)
-    and waits for it before its first load, down with PDL behind gate/up; both keep decode_thin's 72 registers and
-    7 programs an SM; gate/up signals launch_dependents and, after a CTA barrier, makes one release increment; down
-    polls with an acquire load between naps, traps past the bound, counts out with an acquire-release add and
-    makes a second one into its column block's counter, and no combine kernel follows. Plain: the grid (blocks, I / 32), no PDL,
+    programs start together; only down is launched with PDL; both keep decode_thin's 72 registers and 7 programs
+    an SM; gate/up signals launch_dependents and, after a CTA barrier, makes one release increment; down polls with
+    an acquire load between naps, traps past the bound, counts out with an acquire-release add and makes a second
+    one into its column block's counter, and no combine kernel follows. Plain: the grid (blocks, I / 32), no PDL,
     none of those instructions, and the combine launch after down."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         import triton
-        from triton.compiler import ASTSource
         from triton.experimental.gluon._runtime import GluonASTSource
         from backends.offline import capture, compile_launch, offline_target
         from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
         target = offline_target("sm_90")
-        marks = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "atom.global.gpu.release.add",
-                 "ld.global.gpu.acquire", "nanosleep", "trap;", "atom.global.gpu.acq_rel.add")
+        marks = ("griddepcontrol.launch_dependents", "atom.global.gpu.release.add", "ld.global.gpu.acquire",
+                 "nanosleep", "trap;", "atom.global.gpu.acq_rel.add")
         for stream in (True, False):
             with capture(target) as recorder:
                 moe_experts_mxfp4(torch.empty(1, D, dtype=torch.bfloat16), *w13, *w2, torch.full((1, K), 1 / K),
                                   torch.arange(K).view(1, K), "situ", 4.0, 25.0, max_scale=120,
-                                  tile=MXFP4_TILES_NVIDIA["decode_thin"]._replace(
-                                      stream=stream, fold_combine=stream, pdl_prologue=stream))
+                                  tile=MXFP4_TILES_NVIDIA["decode_thin"]._replace(stream=stream,
+                                                                                  fold_combine=stream))
             for _, launch in recorder.launches:
-                options = {k: v for k, v in launch.options.items() if v is not None}
-                if launch.kernel == "_group_pairs_and_columns_kernel":
-                    ptx = triton.compile(ASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs),
-                                         target=target.triton_target, options=options).asm["ptx"]
-                    print(stream, "prologue", "griddepcontrol.launch_dependents" in ptx)
                 if "gluon" not in launch.kernel:
                     continue
                 c = compile_launch(launch, target)
+                options = {k: v for k, v in launch.options.items() if v is not None}
                 ptx = triton.compile(GluonASTSource(launch.fn, launch.signature, launch.constexprs, launch.attrs),
                                      target=target.triton_target, options=options).asm["ptx"]
                 found = ",".join(m for m in marks if m in ptx) or "-"
                 barrier_first = ptx.rfind("bar.sync", 0, ptx.find("atom.global.gpu.release")) >= 0
-                # gate/up's wait for the prologue comes before its first load (the block's expert)
-                wait_first = ptx.find("griddepcontrol.wait") < ptx.find("ld.global")
                 print(stream, launch.kernel, c.error or "ok", c.resources.registers, c.resources.occupancy,
                       "x".join(map(str, launch.grid)), launch.options.get("launch_pdl"), found, barrier_first,
-                      ptx.count("atom.global.gpu.acq_rel.add"), wait_first)
+                      ptx.count("atom.global.gpu.acq_rel.add"))
             print(stream, "launches", ",".join(launch.kernel for _, launch in recorder.launches))
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {(line.split()[0], line.split()[1]): line.split()[2:] for line in result.stdout.splitlines()}
     launches = {stream: rows.pop((stream, "launches"))[0] for stream in ("True", "False")}
-    prologue = {stream: rows.pop((stream, "prologue"))[0] for stream in ("True", "False")}
-    assert prologue == {"True": "True", "False": "False"}, prologue    # lets gate/up start at once, or not
     assert launches == {"True": "_group_pairs_and_columns_kernel,gate_up_gluon_kernel,down_gluon_kernel",
                         "False": "_group_pairs_and_columns_kernel,gate_up_gluon_kernel,down_gluon_kernel,"
                                  "_combine_kernel"}, launches       # streamed, down writes the combine itself
     assert sorted(rows) == [("False", "down_gluon_kernel"), ("False", "gate_up_gluon_kernel"),
                             ("True", "down_gluon_kernel"), ("True", "gate_up_gluon_kernel")], result.stdout
-    for (stream, kernel), (status, registers, occupancy, grid, pdl, found, barrier_first, acq_rel,
-                           wait_first) in rows.items():
+    for (stream, kernel), (status, registers, occupancy, grid, pdl, found, barrier_first, acq_rel) in rows.items():
         assert status == "ok" and int(registers) <= 72 and int(occupancy) >= 7, (stream, kernel, rows)
         gate_up = kernel.startswith("gate_up")
         if stream == "False":
             assert found == "-" and pdl == "False", (kernel, found, pdl)
             assert grid == ("16x96" if gate_up else "896"), (kernel, grid)
         elif gate_up:
-            assert (grid, pdl, barrier_first, wait_first) == ("96x16", "True", "True", "True"), rows
-            assert found == "griddepcontrol.launch_dependents,griddepcontrol.wait,atom.global.gpu.release.add", found
+            assert (grid, pdl, barrier_first) == ("96x16", "False", "True"), (grid, pdl, barrier_first)
+            assert found == "griddepcontrol.launch_dependents,atom.global.gpu.release.add", found
         else:
             assert (grid, pdl) == ("896", "True"), (grid, pdl)
             assert found == "ld.global.gpu.acquire,nanosleep,trap;,atom.global.gpu.acq_rel.add", found

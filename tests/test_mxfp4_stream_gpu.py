@@ -65,8 +65,7 @@ def test_the_folded_combine_is_the_plain_pairs_combine_bit_for_bit(experts, toke
     assert len(tiles) > 1, "no fold_combine tile in MXFP4_TILES_NVIDIA: the committed table's fold goes untested"
     x, weights, ids = _problem(tokens, seed=tokens + offset, offset=offset)
     for name, tile in tiles.items():
-        plain = _call(x, experts, weights, ids, tile._replace(stream=False, fold_combine=False, pdl_prologue=False),
-                      offset)
+        plain = _call(x, experts, weights, ids, tile._replace(stream=False, fold_combine=False), offset)
         for _ in range(3):                                 # a counter left non-zero would stall or skip a call
             fused = _call(x, experts, weights, ids, tile, offset)
             assert torch.equal(fused, plain), (name, (fused.float() - plain.float()).abs().max())

@@ -158,16 +158,11 @@ def _stream_counters(tile: Mxfp4Tile, device: torch.device, num_blocks: int,
     sizes down's column blocks. The pair's down kernel is a programmatic dependent launch: NVIDIA sm_90+."""
     if not tile.stream:
         return None
-    _require_pdl(device, "a stream tile", "stream=False")
+    if target(device) != "nvidia" or nvidia_capability(device)[0] < 9:
+        raise ValueError(f"moe_experts_mxfp4: a stream tile needs programmatic dependent launch (NVIDIA sm_90+), "
+                         f"this device is {target(device)}; use a tile with stream=False")
     from kernels.triton.moe_mxfp4_stream import stream_counters  # noqa: PLC0415 (Gluon: NVIDIA only)
     return stream_counters(device, num_blocks, triton.cdiv(hidden_dim, tile.down_block_n or tile.block_n))
-
-
-def _require_pdl(device: torch.device, what: str, instead: str) -> None:
-    """Programmatic dependent launch is NVIDIA sm_90+: elsewhere `what` is refused, naming the tile option to drop."""
-    if target(device) != "nvidia" or nvidia_capability(device)[0] < 9:
-        raise ValueError(f"moe_experts_mxfp4: {what} needs programmatic dependent launch (NVIDIA sm_90+), "
-                         f"this device is {target(device)}; use a tile with {instead}")
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -236,8 +231,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
-                      tile.block_n, fold, kernel_shape(tile), counters, _registers(tile, x.device),
-                      await_prologue=ordered and tile.pdl_prologue)
+                      tile.block_n, fold, kernel_shape(tile), counters, _registers(tile, x.device))
         return hidden
     if tile.presplit:
         x = presplit_columns(x, tile.block_k)
@@ -376,10 +370,8 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
     ordered = tile.prologue and one_program(expert_ids.numel(), num_experts)
     if ordered:
         _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
-        if tile.pdl_prologue:
-            _require_pdl(x.device, "pdl_prologue", "pdl_prologue=False")
         blocks, x = group_pairs_and_columns(expert_ids, expert_offset, num_experts, tile.height, x, tile.coalesced_x,
-                                            tile.coalesced_w, pdl=tile.pdl_prologue)
+                                            tile.coalesced_w)
     else:
         blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, tile.height)
     rows_out = _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,

@@ -131,19 +131,14 @@ def gate_up_gluon_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          linear_beta, counters_ptr, TOP_K: gl.constexpr, IS_SITU: gl.constexpr,
                          HAS_LINEAR_CLIP: gl.constexpr, BLOCK_M: gl.constexpr, WEIGHT_ROWS: gl.constexpr,
                          SCALE_FOLD: gl.constexpr, STREAM: gl.constexpr, COALESCED_X: gl.constexpr,
-                         COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                         AWAIT: gl.constexpr = False):
+                         COALESCED_W: gl.constexpr, HALF_BLOCKS: gl.constexpr, STAGES: gl.constexpr):
     """One (row block, WEIGHT_ROWS / 2 columns of I): gate and up rows stacked in one weight tile, the GLU in
     float32, stored presplit in x's dtype at the sorted rows (`moe_mxfp4_swap._store_hidden`'s order, BLOCK_K 256).
     STREAM (`moe_mxfp4_stream`): the grid is (column, block), so a block's programs run together, the down kernel
     may launch once every program has started, and each program counts itself done in its block's counter.
-    HALF_BLOCKS: a block whose rows past BLOCK_M / 2 are all padding runs the BLOCK_M / 2-row product. AWAIT:
-    launched as a programmatic dependent of the prologue (`Mxfp4Tile.pdl_prologue`), so wait for its grid to end
-    (and its writes: the blocks, x in column order) before the first read."""
+    HALF_BLOCKS: a block whose rows past BLOCK_M / 2 are all padding runs the BLOCK_M / 2-row product."""
     if STREAM:
         _asm("griddepcontrol.launch_dependents;")
-    if AWAIT:
-        _asm("griddepcontrol.wait;")
         block = gl.program_id(1)
         col = gl.program_id(0)
     else:
@@ -313,18 +308,15 @@ def _down_rows_product(hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, sc
 
 def gate_up_gluon(args: tuple, num_blocks: int, inter_dim: int, top_k: int, activation: str, linear_clip: bool,
                   block_m: int, rows: int, fold: bool, shape: dict, counters: torch.Tensor | None,
-                  options: dict, await_prologue: bool = False) -> None:
+                  options: dict) -> None:
     """`moe_mxfp4.gate_up`'s launch for a gluon tile (`args`: `moe_mxfp4._gate_up_args`, x in `gluon_columns`
     order) of `rows` stacked weight rows a program (rows / 2 columns of I); `shape`: `kernel_shape(tile)`;
-    `counters`: the streamed pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel;
-    `await_prologue`: a programmatic dependent launch behind the prologue (`Mxfp4Tile.pdl_prologue`)."""
+    `counters`: the streamed pair's (`moe_mxfp4_stream.stream_counters`), None for the plain kernel."""
     col_blocks = inter_dim // (rows // 2)
     grid = (col_blocks, num_blocks) if counters is not None else (num_blocks, col_blocks)
-    pdl = {"launch_pdl": True} if await_prologue else {}
     gate_up_gluon_kernel[grid](*args, counters, TOP_K=top_k, IS_SITU=activation == "situ",
                                HAS_LINEAR_CLIP=linear_clip, BLOCK_M=block_m, WEIGHT_ROWS=rows, SCALE_FOLD=fold,
-                               STREAM=counters is not None, AWAIT=await_prologue, num_warps=4, **pdl, **shape,
-                               **options)
+                               STREAM=counters is not None, num_warps=4, **shape, **options)
 
 
 def down_gluon(args: tuple, num_blocks: int, hidden_dim: int, block_m: int, rows: int, gate_up_rows: int,

@@ -41,12 +41,9 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
                                     num_cols, x_row_stride, ordered_row_stride, BLOCK_M: tl.constexpr,
                                     E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
                                     COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr, ROWS: tl.constexpr,
-                                    COLUMNS: tl.constexpr, PDL: tl.constexpr = False):
+                                    COLUMNS: tl.constexpr):
     """Program 0: the grouping. Program 1 + i: ROWS x COLUMNS tile i of x (column tiles fastest), each value
-    stored at its `stored_column`. PDL (NVIDIA sm_90+): let the next launch, a programmatic dependent one (gate/up
-    with `Mxfp4Tile.pdl_prologue`), start now; it waits for this grid's end before reading what it wrote."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    stored at its `stored_column`."""
     pid = tl.program_id(0)
     if pid == 0:
         group_pairs_program(expert_ids_ptr, sorted_pairs_ptr, block_experts_ptr, row_of_pair_ptr, num_pairs,
@@ -63,11 +60,9 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
 
 
 def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_experts: int, block_m: int,
-                            x: torch.Tensor, coalesced_x: bool, coalesced_w: bool,
-                            pdl: bool = False) -> tuple[ExpertBlocks, torch.Tensor]:
+                            x: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> tuple[ExpertBlocks, torch.Tensor]:
     """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon_operands.gluon_columns(x, coalesced_x, coalesced_w)`),
-    bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride). `pdl`: the launch
-    lets a programmatic dependent one after it start at once (NVIDIA sm_90+)."""
+    bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride)."""
     num_rows, num_cols = x.shape
     if num_cols % 256:
         raise ValueError(f"group_pairs_and_columns: K must be a multiple of 256, got {num_cols}")
@@ -81,5 +76,5 @@ def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_ex
     _group_pairs_and_columns_kernel[(1 + copies,)](*grouping.args, x, ordered, num_rows, num_cols, x.stride(0),
                                                    ordered.stride(0), **grouping.constexprs, COALESCED_X=coalesced_x,
                                                    COALESCED_W=coalesced_w, ROWS=COPY_ROWS, COLUMNS=COPY_COLUMNS,
-                                                   PDL=pdl, num_warps=4)
+                                                   num_warps=4)
     return grouping.blocks, ordered

@@ -87,9 +87,6 @@ class Mxfp4Tile(NamedTuple):
     fold_combine: bool = False     # stream only: the down kernel writes the op's output itself (each column block's
     #                                last program sums its columns, `kernels.triton.moe_mxfp4_stream`), no combine
     #                                launch after it; bit for bit the combine kernel's sums
-    pdl_prologue: bool = False     # prologue and stream only (NVIDIA sm_90+): gate/up launched by programmatic
-    #                                dependent launch behind the prologue, which lets it start at once; its programs
-    #                                wait (griddepcontrol.wait) for the prologue's grid before the first read
 
     @property
     def height(self) -> int:
@@ -202,9 +199,8 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # combine gives the 80-register down kernel a stack frame and 5 more instructions a K step; decode_thin's capped
 # loop is instruction for instruction unchanged), so decode_thin only.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
-    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True,
-                                                     pdl_prologue=True),
-    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True, pdl_prologue=True),
+    "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
+    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
     "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
     "prefill": WGMMA_PREFILL_TILE_NVIDIA,
@@ -318,9 +314,6 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if tile.fold_combine and not tile.stream:
         raise ValueError(f"moe_experts_mxfp4: fold_combine counts the streamed pair's down programs; set stream=True, "
                          f"got {tile}")
-    if tile.pdl_prologue and not (tile.prologue and tile.stream):
-        raise ValueError(f"moe_experts_mxfp4: pdl_prologue launches gate/up behind the prologue, on the streamed "
-                         f"pair's NVIDIA sm_90+ path; set prologue=True and stream=True, got {tile}")
     if tile.prologue and not tile.gluon:
         raise ValueError(f"moe_experts_mxfp4: prologue copies x into the Gluon mma.sync kernels' column order; set "
                          f"gluon=True, got {tile}")
