@@ -3,8 +3,8 @@
 #
 #   bash scripts/gpu.sh conformance [OPS]     every cuda provider (bf16, fp32) against the float64 references and the
 #                                             whole model against the torch backend, also from a K3-format
-#                                             checkpoint with MXFP4 experts; OPS (comma-separated, e.g.
-#                                             kda_decode,mla_decode) limits the op level to those ops
+#                                             checkpoint with MXFP4 experts, and tests/test_mxfp4_stream_gpu.py; OPS
+#                                             (comma-separated, e.g. kda_decode,mla_decode) limits the op level
 #   bash scripts/gpu.sh graphs                the engine's CUDA-graph decode against eager (tests/test_engine_graphs.py)
 #   bash scripts/gpu.sh kernels [ARGS]        python -m bench.kernels: every kernel against its anchor (--only CASES,
 #                                             --repeats N); installs the fla-core anchor from .whl/ when it is there
@@ -105,10 +105,13 @@ conformance() {
         --dtype float32,bfloat16 --report "$OUT/model-cuda-$GPU"
     run "${LIMIT:-420}" model_check_mxfp4.log "$PY" -m conformance.model_check --backend cuda --device cuda \
         --dtype float32,bfloat16 --expert-format mxfp4 --report "$OUT/model-mxfp4-cuda-$GPU"
+    # the Gluon MXFP4 pair's folded combine against the separate one, bit for bit, eager and graph-replayed
+    run "${LIMIT:-150}" mxfp4_stream_gpu.log "$PY" -m pytest -q -p no:cacheprovider tests/test_mxfp4_stream_gpu.py -rs
     wait $ops_job
     [ "$DRY_RUN" = 1 ] && return 0
     tail -n 40 "$OUT"/conformance*.log | cut -c1-220
     tail -n 8 "$OUT/model_check.log" "$OUT/model_check_mxfp4.log"
+    tail -n 3 "$OUT/mxfp4_stream_gpu.log"
 }
 
 kernels() {

@@ -1,8 +1,8 @@
 """The streamed Gluon MXFP4 pair on a GPU: its down kernel's folded combine against the plain pair's separate
 combine launch, bit for bit, and against the float64 reference.
 
-Needs an NVIDIA sm_90+ GPU (Gluon has no interpreter; `bash scripts/gpu.sh conformance` and the device runs call
-this file); elsewhere every test here is skipped. The stream tile and its plain twin (stream=False) run the same
+Needs an NVIDIA sm_90+ GPU (Gluon has no interpreter; `bash scripts/gpu.sh conformance` runs this file);
+elsewhere every test here is skipped. The stream tile and its plain twin (stream=False) run the same
 decode and MMA code, so their rows are the same bits; the fold sums them in the combine kernel's order, so the
 outputs must be equal, not merely close. A foreign expert (expert parallelism), a token count the row blocks do
 not divide, repeated calls and a CUDA graph replay check that every column block's last program is found, that it
