@@ -340,6 +340,12 @@ def _combine_kernel(rows_ptr, row_of_pair_ptr, weights_ptr, expert_ids_ptr, out_
     tl.store(out_ptr + token * out_row_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def combine_operands(weights: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing weights [T, k] as flat contiguous float32 [P] and the expert ids as contiguous int64 [T, k]: what
+    the combine reads (here, and folded into `moe_mxfp4_stream`'s down kernel)."""
+    return weights.reshape(-1).to(torch.float32).contiguous(), expert_ids.long().contiguous()
+
+
 def combine_expert_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor,
                         expert_ids: torch.Tensor, expert_offset: int, num_experts: int, out: torch.Tensor) -> None:
     """out[t] = sum_j weights[t, j] * rows[row_of_pair[t * k + j]] over the pairs whose expert is local, in float32
@@ -348,10 +354,10 @@ def combine_expert_rows(rows: torch.Tensor, row_of_pair: torch.Tensor, weights: 
     hidden_dim = out.shape[1]
     if num_tokens == 0:
         return
-    weights = weights.reshape(-1).to(torch.float32).contiguous()                 # [P]
+    weights, expert_ids = combine_operands(weights, expert_ids)                 # [P] float32, [T, k] int64
     block = min(1024, triton.next_power_of_2(hidden_dim))
     _combine_kernel[(num_tokens, triton.cdiv(hidden_dim, block))](
-        rows, row_of_pair.contiguous(), weights, expert_ids.long().contiguous(), out, rows.stride(0), out.stride(0),
+        rows, row_of_pair.contiguous(), weights, expert_ids, out, rows.stride(0), out.stride(0),
         expert_offset, num_experts, hidden_dim, TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1)
 
 

@@ -35,7 +35,7 @@ import triton
 from kernels.torch.moe_mxfp4 import check_mxfp4_experts
 from kernels.triton.activation import check_activation
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, one_program, split_tail_pairs
-from kernels.triton.moe_experts import combine_expert_rows
+from kernels.triton.moe_experts import combine_expert_rows, combine_operands
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
 from kernels.triton.moe_mxfp4_prologue import group_pairs_and_columns
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
@@ -102,10 +102,8 @@ class Combine(NamedTuple):
     expert_offset: int
 
     def flat(self) -> tuple:
-        """(weights float32, expert_ids int64, both flat-contiguous, expert_offset), as `combine_expert_rows`
-        passes them."""
-        return (self.weights.reshape(-1).to(torch.float32).contiguous(), self.expert_ids.long().contiguous(),
-                self.expert_offset)
+        """(weights, expert_ids, expert_offset) as the combine reads them (`combine_operands`)."""
+        return (*combine_operands(self.weights, self.expert_ids), self.expert_offset)
 
 
 def _gate_up_args(x, packed, scale, hidden, blocks: ExpertBlocks, num_experts: int, hidden_dim: int, inter_dim: int,
