@@ -323,25 +323,3 @@ def moe_gemm_config(device: torch.device, num_rows: int, element_size: int = 2) 
         tile = GemmConfig(block_n=64, block_k=64, num_warps=4, num_stages=1)     # 64-lane wavefronts, smaller LDS
         return MoeGemmConfig(block_m=16 if num_rows <= 256 else 64, gate_up=tile, down=tile)
     return _MOE_GEMM_NVIDIA[shape_class(MOE_GEMM_ROW_CLASSES, num_rows)]
-
-
-def _let_interpreter_index_size_one_arrays() -> None:
-    """Triton 3.6's interpreter holds every scalar as a 1-element numpy array and converts loop bounds with
-    int(array), which numpy >= 2.4 refuses for arrays with ndim > 0; so `range(0, n)` with a runtime n fails under
-    TRITON_INTERPRET=1. Convert through .item() instead (a no-op outside the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return
-    from triton.runtime import interpreter
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_k3core_index_fix", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._k3core_index_fix = True
-    interpreter._patch_lang_tensor = patched
-
-
-_let_interpreter_index_size_one_arrays()
