@@ -222,6 +222,53 @@ def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spill
         assert status == "ok" and stack == "0" and spills == "0", line
 
 
+def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is_real():
+    """K3 at 64 tokens on sm_90 takes the decode_batch swap tile. I = 3072 is a multiple of a stacked program's 32
+    columns, so gate/up is launched with EVEN_N: no row mask on its weight loads. Compiled both ways, that form has
+    fewer SASS instructions at no more registers, no stack and its wgmma as batched (as many WARPGROUP arrive /
+    wait instructions). Down is launched masked: EVEN_N there made ptxas wait on each wgmma alone. The masked
+    gate/up form runs in the interpreted tests (tests/test_mxfp4_ops.py: 64-column stacked programs, I = 96)."""
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        import dataclasses, subprocess, tempfile
+        from pathlib import Path
+        import triton
+        from triton.compiler import ASTSource
+        from backends.offline import _cuobjdump, capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import moe_experts_mxfp4
+        target = offline_target("sm_90")
+        tokens = 64
+        ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(tokens)])
+        with capture(target) as recorder:
+            moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2, torch.full((tokens, K), 1 / K),
+                              ids, "situ", 4.0, 25.0, max_scale=120)
+        launches = {launch.kernel: launch for _, launch in recorder.launches}
+        print("down", "EVEN_N" in launches["_down_swap_kernel"].describe())
+        gate_up = launches["_gate_up_swap_kernel"]
+        even = next(path for path in gate_up.constexprs if gate_up.fn.arg_names[path[0]] == "EVEN_N")
+        for form, constexprs in (("even", gate_up.constexprs), ("masked", {**gate_up.constexprs, even: False})):
+            launch = dataclasses.replace(gate_up, constexprs=constexprs)
+            c = compile_launch(launch, target)
+            options = {k: v for k, v in launch.options.items() if v is not None}
+            cubin = triton.compile(ASTSource(launch.fn, launch.signature, constexprs, launch.attrs),
+                                   target=target.triton_target, options=options).asm["cubin"]
+            with tempfile.TemporaryDirectory() as directory:
+                (Path(directory) / "k.cubin").write_bytes(cubin)
+                sass = subprocess.run([str(_cuobjdump()), "--dump-sass", str(Path(directory) / "k.cubin")],
+                                      capture_output=True, text=True, check=True).stdout
+            instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
+            print(form, c.error or "ok", c.resources.registers, c.resources.scratch_bytes, instructions,
+                  sass.count("WARPGROUP.ARRIVE"), sass.count("WARPGROUP.DEPBAR"), constexprs[even])
+    """), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert rows["down"] == ["False"], result.stdout
+    even, masked = rows["even"], rows["masked"]
+    assert even[0] == masked[0] == "ok" and even[-1] == "True" and masked[-1] == "False", result.stdout
+    assert int(even[1]) <= min(128, int(masked[1])) and even[2] == masked[2] == "0", result.stdout
+    assert int(even[3]) < int(masked[3]), result.stdout                # fewer instructions
+    assert even[4:6] == masked[4:6], result.stdout                     # the wgmma batched as before
+
+
 def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():
     """`moe_blocks._group_pairs_kernel` (tl.histogram, tl.sort and tl.gather over every pair at once) is the MoE
     bookkeeping of every decode-sized batch on every backend: it compiles for sm_90, sm_100, gfx942 and gfx950 at

@@ -65,7 +65,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                          HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
                          SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
-                         PRESPLIT: tl.constexpr = False, STACKED: tl.constexpr = False, TAIL_M: tl.constexpr = 0):
+                         PRESPLIT: tl.constexpr = False, STACKED: tl.constexpr = False, TAIL_M: tl.constexpr = 0,
+                         EVEN_N: tl.constexpr = False):
     """One (row block, column block of I): gate^T and up^T [BLOCK_N, rows] in one K loop, the GLU in float32,
     stored in x's dtype at the sorted rows. SCALED: the products through `tl.dot_scaled` (bf16 / fp16 x only).
     PRESPLIT: x arrives presplit (`_rows_t`) and hidden is stored presplit for the down kernel (column c of I at
@@ -74,7 +75,8 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
     accumulator (half the decoded tiles of two BLOCK_N-row dots in registers at once), split after the loop.
     TAIL_M: blocks of BLOCK_M + TAIL_M rows, each decoded weight tile feeding both parts' dots (`_gate_up_two`)
     when the tail holds a pair, else one dot over the first BLOCK_M rows or, when at most TAIL_M are real, the
-    first TAIL_M (padding sits at the end of an expert's last block)."""
+    first TAIL_M (padding sits at the end of an expert's last block). EVEN_N: I is a multiple of the program's
+    columns, so the weight loads need no row mask (the launcher's `_even_n`)."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
     if expert >= num_experts:
@@ -84,7 +86,7 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                       x_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                       hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
                       HAS_LINEAR_CLIP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE,
-                      SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+                      SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED, EVEN_N)
     else:
         start = block * (BLOCK_M + TAIL_M)
         if tl.load(sorted_pairs_ptr + start + BLOCK_M) < num_pairs:
@@ -92,19 +94,19 @@ def _gate_up_swap_kernel(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr,
                          packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                          hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
                          HAS_LINEAR_CLIP, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, HALF_MATH,
-                         ASM_DECODE, SCALE_FOLD, PRESPLIT, STACKED)
+                         ASM_DECODE, SCALE_FOLD, PRESPLIT, STACKED, EVEN_N)
         elif tl.load(sorted_pairs_ptr + start + TAIL_M) >= num_pairs:
             _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
                           packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                           hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
                           HAS_LINEAR_CLIP, TAIL_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH,
-                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED, EVEN_N)
         else:
             _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert, start, x_row_stride,
                           packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                           hidden_row_stride, num_pairs, hidden_dim, inter_dim, beta, linear_beta, TOP_K, IS_SITU,
                           HAS_LINEAR_CLIP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH,
-                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED)
+                          ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, STACKED, EVEN_N)
 
 
 @triton.jit
@@ -114,7 +116,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
                   HAS_LINEAR_CLIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                   HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr,
-                  NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr, STACKED: tl.constexpr):
+                  NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr, STACKED: tl.constexpr, EVEN_N: tl.constexpr):
     """`_gate_up_swap_kernel`'s work for the BLOCK_M sorted rows from `start`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     rows = start + tl.arange(0, BLOCK_M)
@@ -127,12 +129,13 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
         stack = tl.arange(0, BLOCK_N)
         stack_cols = tl.program_id(1) * HALF_N + stack % HALF_N
         w_rows = tl.where(stack < HALF_N, stack_cols, stack_cols + inter_dim)      # [gate rows | up rows]
+        w_mask = (stack_cols < inter_dim) | EVEN_N                     # EVEN_N: a constant, no mask on the loads
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for k_start in range(0, hidden_dim, BLOCK_K):
             x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                         scale_expert_stride, scale_row_stride, w_rows, stack_cols < inter_dim,
+                                         scale_expert_stride, scale_row_stride, w_rows, w_mask,
                                          k_start, hidden_dim, HALF_K, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K,
                                          HALF_MATH, ASM_DECODE, SCALE_FOLD)
             acc = tl.dot(w_low, x_even, acc, input_precision="ieee")
@@ -142,7 +145,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
                       linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
     else:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of I
-        col_mask = cols < inter_dim
+        col_mask = (cols < inter_dim) | EVEN_N                          # EVEN_N: a constant, no mask on the loads
         acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
@@ -172,7 +175,7 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
                  HAS_LINEAR_CLIP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr,
                  ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr, PRESPLIT: tl.constexpr,
-                 STACKED: tl.constexpr):
+                 STACKED: tl.constexpr, EVEN_N: tl.constexpr):
     """`_gate_up_rows` over the BLOCK_M rows from `start` and the TAIL_M after them at once: one decode of each
     weight tile a K step, its dots against both parts' x (every row of the first part is real: a pair in the
     tail means the block is full up to it)."""
@@ -192,6 +195,7 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
         stack = tl.arange(0, BLOCK_N)
         stack_cols = tl.program_id(1) * HALF_N + stack % HALF_N
         w_rows = tl.where(stack < HALF_N, stack_cols, stack_cols + inter_dim)
+        w_mask = (stack_cols < inter_dim) | EVEN_N
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
         for k_start in range(0, hidden_dim, BLOCK_K):
@@ -200,7 +204,7 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
             t_even, t_odd = _rows_t(x_tail, tail_mask, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                         scale_expert_stride, scale_row_stride, w_rows, stack_cols < inter_dim,
+                                         scale_expert_stride, scale_row_stride, w_rows, w_mask,
                                          k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE,
                                          SCALE_FOLD)
             acc = tl.dot(w_low, x_even, acc, input_precision="ieee")
@@ -215,7 +219,7 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
                       beta, linear_beta, IS_SITU, HAS_LINEAR_CLIP, BLOCK_K, PRESPLIT)
     else:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < inter_dim
+        col_mask = (cols < inter_dim) | EVEN_N
         acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         tail_gate = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
