@@ -26,6 +26,14 @@ SMALL_BATCH_PAIRS = 1024
 MAX_KERNEL_EXPERTS = 1024
 
 
+def grouping_warps(p_block: int) -> int:
+    """The one-program grouping's warps for P_BLOCK pairs: its sort's and histogram's work spread over more threads
+    where there is enough of it. An H100 scratch timing at acf523b (every output equal to the torch form) gave 18.5 /
+    15.6 / 14.1 us at 4 / 8 / 16 warps for 1024 pairs (K3 at 64 tokens), 6.0 / 5.3 / 5.4 for 512, and 4 warps best
+    or tied at 16-256; `bench.moe_mxfp4_bench`'s profile shows the kernel per call."""
+    return 16 if p_block >= 1024 else 8 if p_block >= 512 else 4
+
+
 class ExpertBlocks(NamedTuple):
     sorted_pairs: torch.Tensor     # int64 [num_blocks * BLOCK_M]: pair index t * k + j, num_pairs in padding rows
     block_experts: torch.Tensor    # int64 [num_blocks]: local expert of each block, num_experts for an idle block
@@ -215,5 +223,6 @@ def group_pairs_small(expert_ids: torch.Tensor, expert_offset: int, num_experts:
                       block_m: int) -> ExpertBlocks:
     """`group_pairs_torch`'s result from one Triton program (at most SMALL_BATCH_PAIRS pairs: all held at once)."""
     grouping = small_grouping(expert_ids, expert_offset, num_experts, block_m)
-    _group_pairs_kernel[(1,)](*grouping.args, **grouping.constexprs, num_warps=4)
+    _group_pairs_kernel[(1,)](*grouping.args, **grouping.constexprs,
+                              num_warps=grouping_warps(grouping.constexprs["P_BLOCK"]))
     return grouping.blocks
