@@ -222,13 +222,12 @@ def test_presplit_and_stacked_swap_tiles_compile_for_amd_and_sm100_without_spill
         assert status == "ok" and stack == "0" and spills == "0", line
 
 
-def test_the_swap_kernels_drop_their_weight_row_mask_where_every_column_is_real():
-    """K3 at 64 tokens on sm_90 takes the decode_batch swap tile. I = 3072 is a multiple of a stacked gate/up
-    program's 32 columns and D = 3584 of a down program's 64, so both kernels are launched with EVEN_N: no row mask
-    on their weight loads (down: on its byte loads; with its scale loads unmasked too, ptxas waited on each wgmma
-    alone). Compiled both ways, each EVEN_N form has fewer SASS instructions at no more registers, no stack and its
-    wgmma as batched (as many WARPGROUP arrive / wait instructions). The masked forms run in the interpreted tests
-    (tests/test_mxfp4_ops.py: 64-column stacked gate/up programs with I = 96, 64-column down programs with D = 96)."""
+def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is_real():
+    """K3 at 64 tokens on sm_90 takes the decode_batch swap tile. I = 3072 is a multiple of a stacked program's 32
+    columns, so gate/up is launched with EVEN_N: no row mask on its weight loads. Compiled both ways, that form has
+    fewer SASS instructions at no more registers, no stack and its wgmma as batched (as many WARPGROUP arrive /
+    wait instructions). Down is launched masked: EVEN_N there made ptxas wait on each wgmma alone. The masked
+    gate/up form runs in the interpreted tests (tests/test_mxfp4_ops.py: 64-column stacked programs, I = 96)."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         import dataclasses, subprocess, tempfile
         from pathlib import Path
@@ -242,34 +241,32 @@ def test_the_swap_kernels_drop_their_weight_row_mask_where_every_column_is_real(
         with capture(target) as recorder:
             moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2, torch.full((tokens, K), 1 / K),
                               ids, "situ", 4.0, 25.0, max_scale=120)
-        for _, launch in recorder.launches:
-            if not launch.kernel.endswith("_swap_kernel"):
-                continue
-            even = next(path for path in launch.constexprs if launch.fn.arg_names[path[0]] == "EVEN_N")
-            for form, constexprs in (("even", launch.constexprs), ("masked", {**launch.constexprs, even: False})):
-                variant = dataclasses.replace(launch, constexprs=constexprs)
-                c = compile_launch(variant, target)
-                options = {k: v for k, v in variant.options.items() if v is not None}
-                cubin = triton.compile(ASTSource(variant.fn, variant.signature, constexprs, variant.attrs),
-                                       target=target.triton_target, options=options).asm["cubin"]
-                with tempfile.TemporaryDirectory() as directory:
-                    (Path(directory) / "k.cubin").write_bytes(cubin)
-                    sass = subprocess.run([str(_cuobjdump()), "--dump-sass", str(Path(directory) / "k.cubin")],
-                                          capture_output=True, text=True, check=True).stdout
-                count = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
-                print(launch.kernel, form, c.error or "ok", c.resources.registers, c.resources.scratch_bytes, count,
-                      sass.count("WARPGROUP.ARRIVE"), sass.count("WARPGROUP.DEPBAR"), constexprs[even])
+        launches = {launch.kernel: launch for _, launch in recorder.launches}
+        print("down", "EVEN_N" in launches["_down_swap_kernel"].describe())
+        gate_up = launches["_gate_up_swap_kernel"]
+        even = next(path for path in gate_up.constexprs if gate_up.fn.arg_names[path[0]] == "EVEN_N")
+        for form, constexprs in (("even", gate_up.constexprs), ("masked", {**gate_up.constexprs, even: False})):
+            launch = dataclasses.replace(gate_up, constexprs=constexprs)
+            c = compile_launch(launch, target)
+            options = {k: v for k, v in launch.options.items() if v is not None}
+            cubin = triton.compile(ASTSource(launch.fn, launch.signature, constexprs, launch.attrs),
+                                   target=target.triton_target, options=options).asm["cubin"]
+            with tempfile.TemporaryDirectory() as directory:
+                (Path(directory) / "k.cubin").write_bytes(cubin)
+                sass = subprocess.run([str(_cuobjdump()), "--dump-sass", str(Path(directory) / "k.cubin")],
+                                      capture_output=True, text=True, check=True).stdout
+            instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
+            print(form, c.error or "ok", c.resources.registers, c.resources.scratch_bytes, instructions,
+                  sass.count("WARPGROUP.ARRIVE"), sass.count("WARPGROUP.DEPBAR"), constexprs[even])
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in result.stdout.splitlines()}
-    assert sorted(rows) == [(kernel, form) for kernel in ("_down_swap_kernel", "_gate_up_swap_kernel")
-                            for form in ("even", "masked")], result.stdout
-    for kernel in ("_gate_up_swap_kernel", "_down_swap_kernel"):
-        even, masked = rows[kernel, "even"], rows[kernel, "masked"]
-        assert even[0] == masked[0] == "ok" and even[-1] == "True" and masked[-1] == "False", result.stdout
-        assert int(even[1]) <= min(128, int(masked[1])) and even[2] == masked[2] == "0", result.stdout
-        assert int(even[3]) < int(masked[3]), result.stdout            # fewer instructions
-        assert even[4:6] == masked[4:6], result.stdout                 # the wgmma batched as before
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert rows["down"] == ["False"], result.stdout
+    even, masked = rows["even"], rows["masked"]
+    assert even[0] == masked[0] == "ok" and even[-1] == "True" and masked[-1] == "False", result.stdout
+    assert int(even[1]) <= min(128, int(masked[1])) and even[2] == masked[2] == "0", result.stdout
+    assert int(even[3]) < int(masked[3]), result.stdout                # fewer instructions
+    assert even[4:6] == masked[4:6], result.stdout                     # the wgmma batched as before
 
 
 def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():

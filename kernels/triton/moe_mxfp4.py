@@ -62,10 +62,12 @@ def _tail(tile: Mxfp4Tile) -> dict:
 
 
 def _even_n(tile: Mxfp4Tile, columns: int, program_columns: int) -> dict:
-    """The swap kernels' EVEN_N: every program's output columns are real (`columns` a multiple of the program's), so
-    the weight loads need no row mask. Offline sm_90 at K3's 64 tokens, same 128 registers and batched wgmma: gate/up
-    518 -> 492 loop instructions a K step, down 533 -> 511 (down drops the mask of its byte loads only: see
-    `_down_swap_kernel`). Passed only when true (the kernels' default is the masked form)."""
+    """The swap gate/up kernel's EVEN_N: every program's columns of I are real (`columns` a multiple of the
+    program's), so its weight loads carry no row mask (offline sm_90, K3's 64-token loop: 518 -> 492 instructions a
+    K step at the same 128 registers; 521 -> 512 us on an H100). Not for the down kernel: without the mask on both
+    its byte and scale loads ptxas waits on each of its wgmma alone; on its byte loads alone (8d60a97, reverted) it
+    was no faster on an H100 and needed 8 bytes of stack on sm_100 with a tail part. Passed only when true (the
+    kernel's default is the masked form)."""
     return {"EVEN_N": True} if tile.swap and columns % program_columns == 0 else {}
 
 
@@ -320,7 +322,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         *_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold),
-        **_tail(tile), **_even_n(tile, hidden_dim, block_n), **_registers(tile, hidden.device))
+        **_tail(tile), **_registers(tile, hidden.device))
     return rows_out
 
 

@@ -115,13 +115,11 @@ def _asm_pair_decode(byte, scale_bf16, SCALE_FOLD: tl.constexpr = False):
 
 @triton.jit
 def _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
-                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 scale_row_mask=None):
+                 scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The packed bytes [BLOCK_N, HALF_K] and the scale bytes [BLOCK_N, HALF_K / 16] of W rows `rows` of one
     expert for K columns [k_start, k_start + 2 * HALF_K), as stored (uint8); masked bytes read as code 0, masked
     scales as 127. EVEN_K (num_k a multiple of 2 * HALF_K) drops the K mask, which varies along the contiguous
-    bytes and so would make every byte its own load; the row mask is constant along them. `scale_row_mask`: the
-    scale loads' own row mask (default: `row_mask`)."""
+    bytes and so would make every byte its own load; the row mask is constant along them."""
     j = tl.arange(0, HALF_K)
     if EVEN_K:
         mask = row_mask[:, None]                                        # broadcast: constant along K
@@ -131,12 +129,10 @@ def _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
                    + rows[:, None].to(tl.int64) * packed_row_stride)
     byte = tl.load(packed_rows + (k_start // 2 + j)[None, :], mask=mask, other=0)                 # [BLOCK_N, HALF_K]
     g = tl.arange(0, HALF_K // 16)                                      # 16 bytes = 32 columns share a scale
-    if scale_row_mask is None:
-        scale_row_mask = row_mask
     if EVEN_K:
-        scale_mask = scale_row_mask[:, None]
+        scale_mask = row_mask[:, None]
     else:
-        scale_mask = scale_row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
+        scale_mask = row_mask[:, None] & ((k_start + 32 * g) < num_k)[None, :]
     scale_rows = scale_ptr + expert.to(tl.int64) * scale_expert_stride + rows[:, None].to(tl.int64) * scale_row_stride
     return byte, tl.load(scale_rows + (k_start // 32 + g)[None, :], mask=scale_mask, other=127)
 
@@ -145,15 +141,15 @@ def _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
 def _weight_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                  scale_row_stride, rows, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_N: tl.constexpr,
                  DTYPE: tl.constexpr, EVEN_K: tl.constexpr, HALF_MATH: tl.constexpr = False,
-                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False, scale_row_mask=None):
+                 ASM_DECODE: tl.constexpr = False, SCALE_FOLD: tl.constexpr = False):
     """W rows `rows` of one expert for K columns [k_start, k_start + 2 * HALF_K), as (even k, odd k) tiles
-    [BLOCK_N, HALF_K] in DTYPE (the bytes and scales from `_packed_rows`, `scale_row_mask` the scale loads' own
-    row mask where given); masked entries (past num_k or past the rows) are zero. SCALE_FOLD: every scale byte is
-    <= FOLD_MAX_SCALE (one multiply per code or pair fewer, the same values)."""
+    [BLOCK_N, HALF_K] in DTYPE (the bytes and scales from `_packed_rows`); masked entries (past num_k or past the
+    rows) are zero. SCALE_FOLD: every scale byte is <= FOLD_MAX_SCALE (one multiply per code or pair fewer, the
+    same values)."""
     GROUPS: tl.constexpr = HALF_K // 16                                 # 16 bytes = 32 columns share a scale
     raw, scale_byte = _packed_rows(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row_stride,
                                    scale_expert_stride, scale_row_stride, rows, row_mask, k_start, num_k, HALF_K,
-                                   EVEN_K, scale_row_mask)
+                                   EVEN_K)
     scale_byte = scale_byte.to(tl.int32)
     if ASM_DECODE:
         if SCALE_FOLD:

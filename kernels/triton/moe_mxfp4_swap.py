@@ -272,16 +272,13 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
                       EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                       HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr = False,
                       SCALE_FOLD: tl.constexpr = False, NATURAL_K: tl.constexpr = False,
-                      PRESPLIT: tl.constexpr = False, TAIL_M: tl.constexpr = 0, EVEN_N: tl.constexpr = False):
+                      PRESPLIT: tl.constexpr = False, TAIL_M: tl.constexpr = 0):
     """One (row block, column block of D): (W2 hidden^T) [BLOCK_N, rows] over I, stored in float32 at the
     sorted rows. SCALED: through `tl.dot_scaled`. PRESPLIT: hidden is in gate/up's presplit order. TAIL_M: as in
     `_gate_up_swap_kernel`. The grid is one axis, column blocks fastest: the programs of one row block run
     together and share its hidden rows in L2 (row blocks fastest, each block's hidden was read once per column
     block from DRAM at prefill: 82% of DRAM bandwidth in the down kernel at 1024 tokens,
-    bench/results/ncu-moe_mxfp4-b0bd8ce.txt). EVEN_N: D is a multiple of BLOCK_N, so the weight byte loads need no
-    row mask; the scale loads keep theirs, because without both masks ptxas (offline sm_90, K3 at 64 tokens) issued
-    each of a K step's 16 wgmma behind its own wait, where with the scale mask alone the loop is 533 -> 511
-    instructions a step with the wgmma batched as before."""
+    bench/results/ncu-moe_mxfp4-b0bd8ce.txt)."""
     col_blocks = tl.cdiv(hidden_dim, BLOCK_N)
     block = tl.program_id(0) // col_blocks
     col_block = tl.program_id(0) % col_blocks
@@ -292,26 +289,24 @@ def _down_swap_kernel(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_
         _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, block * BLOCK_M, col_block,
                    hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride,
                    rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                   SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT, EVEN_N)
+                   SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
     else:
         start = block * (BLOCK_M + TAIL_M)
         if tl.load(sorted_pairs_ptr + start + BLOCK_M) < num_pairs:
             _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start, col_block,
                       hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                       scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, TAIL_M,
-                      BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, HALF_MATH, ASM_DECODE, SCALE_FOLD, PRESPLIT, EVEN_N)
+                      BLOCK_N, BLOCK_K, EVEN_K, SPLIT_X, HALF_MATH, ASM_DECODE, SCALE_FOLD, PRESPLIT)
         elif tl.load(sorted_pairs_ptr + start + TAIL_M) >= num_pairs:
             _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start, col_block,
                        hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                        scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, TAIL_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT,
-                       EVEN_N)
+                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
         else:
             _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, expert, start, col_block,
                        hidden_row_stride, packed_expert_stride, packed_row_stride, scale_expert_stride,
                        scale_row_stride, rows_out_row_stride, num_pairs, hidden_dim, inter_dim, BLOCK_M, BLOCK_N,
-                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT,
-                       EVEN_N)
+                       BLOCK_K, EVEN_K, SPLIT_X, SCALED, HALF_MATH, ASM_DECODE, SCALE_FOLD, NATURAL_K, PRESPLIT)
 
 
 @triton.jit
@@ -321,7 +316,7 @@ def _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, ex
                num_pairs, hidden_dim, inter_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, SCALED: tl.constexpr,
                HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr,
-               NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr, EVEN_N: tl.constexpr):
+               NATURAL_K: tl.constexpr, PRESPLIT: tl.constexpr):
     """`_down_swap_kernel`'s work for the BLOCK_M sorted rows from `start`."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     rows = start + tl.arange(0, BLOCK_M)
@@ -329,7 +324,6 @@ def _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, ex
     h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride                     # [BLOCK_M] row starts
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
     col_mask = cols < hidden_dim
-    byte_mask = col_mask | EVEN_N                     # EVEN_N: a constant (the scale loads keep col_mask: see below)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     X_FORMAT: tl.constexpr = "fp16" if hidden_ptr.dtype.element_ty == tl.float16 else "bf16"
     for k_start in range(0, inter_dim, BLOCK_K):
@@ -348,9 +342,9 @@ def _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, ex
             h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                         scale_expert_stride, scale_row_stride, cols, byte_mask, k_start, inter_dim,
+                                         scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                          HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH,
-                                         ASM_DECODE, SCALE_FOLD, col_mask)
+                                         ASM_DECODE, SCALE_FOLD)
             acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
             acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
     tl.store(rows_out_ptr + rows[None, :].to(tl.int64) * rows_out_row_stride + cols[:, None], acc,
@@ -363,7 +357,7 @@ def _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, exp
               packed_expert_stride, packed_row_stride, scale_expert_stride, scale_row_stride, rows_out_row_stride,
               num_pairs, hidden_dim, inter_dim, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr,
-              ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr, PRESPLIT: tl.constexpr, EVEN_N: tl.constexpr):
+              ASM_DECODE: tl.constexpr, SCALE_FOLD: tl.constexpr, PRESPLIT: tl.constexpr):
     """`_down_rows` over the BLOCK_M rows from `start` and the TAIL_M after them, one decode a K step."""
     HALF_K: tl.constexpr = BLOCK_K // 2
     rows = start + tl.arange(0, BLOCK_M)
@@ -374,16 +368,15 @@ def _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, exp
     h_tail = hidden_ptr + tail_rows.to(tl.int64) * hidden_row_stride
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden_dim
-    byte_mask = col_mask | EVEN_N
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
     for k_start in range(0, inter_dim, BLOCK_K):
         h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
         t_even, t_odd = _rows_t(h_tail, tail_mask, k_start, inter_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
         w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
-                                     scale_expert_stride, scale_row_stride, cols, byte_mask, k_start, inter_dim,
+                                     scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                      HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE,
-                                     SCALE_FOLD, col_mask)
+                                     SCALE_FOLD)
         acc = tl.dot(w_low, h_even, acc, input_precision="ieee")
         acc = tl.dot(w_high, h_odd, acc, input_precision="ieee")
         acc_tail = tl.dot(w_low, t_even, acc_tail, input_precision="ieee")

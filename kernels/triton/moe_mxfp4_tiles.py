@@ -198,10 +198,9 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # 0.1211 ms against 0.1243 (-2.6%, the same in a second run), 4 tokens -0.8%, 16 tokens +1.5% (the call to the
 # combine gives the 80-register down kernel a stack frame and 5 more instructions a K step; decode_thin's capped
 # loop is instruction for instruction unchanged), so decode_thin only.
-# The swap kernels drop their weight row mask wherever the output width is a multiple of a program's columns
-# (`EVEN_N`, every sm_90 swap tile at K3's widths; bench/results/moe-mxfp4-even-n-*, on an H100): at 64 tokens gate/up
-# 521 -> 512 us in three calls; down (byte loads only: with its scale loads unmasked too ptxas serialises its wgmma)
-# 259.3 -> 259.5 us, memory-bound there. Not measured on an H200.
+# The swap gate/up kernel drops its weight row mask wherever I is a multiple of a program's columns (`EVEN_N`, every
+# sm_90 swap tile at K3's widths; bench/results/moe-mxfp4-even-n-*, on an H100): at 64 tokens gate/up 521 -> 512 us
+# in three calls. The down kernel keeps its mask (`moe_mxfp4._even_n` says why). Not measured on an H200.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
