@@ -25,6 +25,9 @@ from tests.test_offline_compile import K3_PACKED_EXPERTS, _python  # noqa: E402
 gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon_operands")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 LAYOUTS = [(False, False), (True, False), (True, True)]        # (coalesced_x, coalesced_w): cw only with cx
+# a presplit swap tile at block_k 256 (the interpreter's own decode, no PTX), 16-row blocks, 32 weight rows a program
+SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=256, num_warps=1, num_stages=1, swap=True,
+                                presplit=True)
 
 
 @pytest.mark.parametrize("coalesced_x,coalesced_w", LAYOUTS, ids=["plain", "coalesced_x", "coalesced_xw"])
@@ -73,12 +76,43 @@ def test_prologue_refusals_name_what_is_wrong():
         moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, torch.zeros(512, 2).t(), False, False)
     with pytest.raises(ValueError, match="at most 1024 pairs"):
         moe_mxfp4_prologue.group_pairs_and_columns(torch.zeros(65, 16, dtype=torch.long), 0, 4, 8, x, False, False)
-    swap = moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA
-    with pytest.raises(ValueError, match="prologue copies x into the Gluon"):
-        moe_mxfp4.check_tile(swap._replace(prologue=True))
+    swap = moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA                     # presplit, block_k 256
+    for other in (swap._replace(block_k=128), swap._replace(presplit=False), SWAP_TILE._replace(swap=False)):
+        with pytest.raises(ValueError, match="prologue copies x into the Gluon"):
+            moe_mxfp4.check_tile(other._replace(prologue=True))
     moe_mxfp4.check_tile(moe_mxfp4_tiles.GLUON_DECODE_TILE_NVIDIA._replace(prologue=True))
-    with pytest.raises(ValueError, match="column order is for a gluon tile"):
+    moe_mxfp4.check_tile(swap._replace(prologue=True))
+    with pytest.raises(ValueError, match="column order is for a prologue tile"):
         moe_mxfp4.gate_up(x, None, None, None, 1, "silu", None, None, swap, ordered=True)
+
+
+@pytest.mark.parametrize("num_tokens,num_k,offset", [(5, 512, 0), (9, 256, 3), (4, 384, 0)])
+def test_a_swap_prologue_tile_gives_the_result_of_the_tile_without_it_bit_for_bit(num_tokens, num_k, offset,
+                                                                                   monkeypatch):
+    """The op with a presplit swap tile at block_k 256 and `prologue` (the grouping and x's presplit copy in one
+    launch) against the same tile without it: the same output bit for bit, with and without other ranks' experts.
+    At K = 384 (not whole 256-column steps) the prologue tile falls back to gate/up's own padded copy."""
+    calls = []
+    for name in ("presplit_columns", "group_pairs_and_columns"):
+        real = getattr(moe_mxfp4, name)
+        monkeypatch.setattr(moe_mxfp4, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    gen = torch.Generator().manual_seed(num_tokens + num_k)
+    experts, top_k, inter = 6, 2, 64
+    w13 = (torch.randint(0, 256, (experts, 2 * inter, num_k // 2), generator=gen, dtype=torch.uint8),
+           torch.randint(118, 122, (experts, 2 * inter, num_k // 32), generator=gen, dtype=torch.uint8))
+    w2 = (torch.randint(0, 256, (experts, num_k, inter // 2), generator=gen, dtype=torch.uint8),
+          torch.randint(118, 122, (experts, num_k, inter // 32), generator=gen, dtype=torch.uint8))
+    x = torch.randn(num_tokens, num_k, generator=gen)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    ids = torch.randint(0, experts + offset, (num_tokens, top_k), generator=gen)
+    outs = []
+    for tile in (SWAP_TILE, SWAP_TILE._replace(prologue=True)):
+        calls.clear()
+        outs.append(moe_mxfp4.moe_experts_mxfp4(x, *w13, *w2, weights, ids, "silu", None, None, offset, tile=tile))
+    prologue_used = num_k % 256 == 0
+    assert calls == (["group_pairs_and_columns"] if prologue_used else ["presplit_columns"]), calls
+    assert torch.isfinite(outs[0]).all() and outs[0].abs().max() > 0
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_the_op_with_a_prologue_tile_makes_one_launch_before_gate_up_and_no_torch_copy():
@@ -114,3 +148,30 @@ def test_the_op_with_a_prologue_tile_makes_one_launch_before_gate_up_and_no_torc
     assert lines == [f"1 launches _group_pairs_and_columns_kernel,{gemms} copies 0", "1 compile ok 0 0",
                      f"64 launches _group_pairs_and_columns_kernel,{gemms} copies 0", "64 compile ok 0 0",
                      f"96 launches {gemms} copies 1"], lines
+
+
+def test_k3_at_64_tokens_groups_and_orders_x_in_one_launch_before_the_swap_kernels():
+    """Offline sm_90 with the default tiles: K3 at 64 tokens (1024 pairs, decode_batch's presplit swap tile with
+    `prologue`) launches the prologue, the two swap GEMMs and the combine, and never calls the torch presplit copy;
+    at 96 tokens (past the one-program grouping) the grouping kernel is the torch form and x's copy is torch's."""
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        from backends.offline import capture, offline_target
+        from kernels.triton import moe_mxfp4
+        target = offline_target("sm_90")
+        copies = []
+        torch_copy = moe_mxfp4.presplit_columns
+        moe_mxfp4.presplit_columns = lambda *a: copies.append(1) or torch_copy(*a)
+        for tokens in (64, 96):
+            copies.clear()
+            with capture(target) as recorder:
+                ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K]
+                                   for t in range(tokens)])
+                moe_mxfp4.moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
+                                            torch.full((tokens, K), 1 / K), ids, "situ", 4.0, 25.0, max_scale=120)
+            names = [launch.kernel for _, launch in recorder.launches]
+            print(tokens, ",".join(names), len(copies))
+    """), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    gemms = "_gate_up_swap_kernel,_down_swap_kernel,_combine_kernel"
+    assert result.stdout.splitlines() == [f"64 _group_pairs_and_columns_kernel,{gemms} 0", f"96 {gemms} 1"], \
+        result.stdout

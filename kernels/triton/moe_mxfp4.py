@@ -204,11 +204,11 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
             ordered: bool = False) -> torch.Tensor:
     """act(x W13^T) for every sorted row -> [num_blocks * block_m, I] in x.dtype (padding rows left unwritten).
     `fold`: every scale byte is <= FOLD_MAX_SCALE (`scale_fold`). `counters`: a stream tile's, shared with the
-    `down` call that must follow (`_stream_counters`). `ordered`: x is already in a gluon tile's column order
-    (`group_pairs_and_columns`)."""
+    `down` call that must follow (`_stream_counters`). `ordered`: x is already in a prologue tile's column order
+    (`group_pairs_and_columns`: a gluon tile's, or a presplit swap tile's at block_k 256)."""
     check_tile(tile)
-    if ordered and not tile.gluon:
-        raise ValueError(f"moe_experts_mxfp4: x in the Gluon kernels' column order is for a gluon tile, got {tile}")
+    if ordered and not tile.prologue:
+        raise ValueError(f"moe_experts_mxfp4: x in the Gluon kernels' column order is for a prologue tile, got {tile}")
     _check_stream(tile, counters)
     if tile.scaled and x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"moe_experts_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}; use a "
@@ -241,7 +241,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
                       tile.block_n, fold, kernel_shape(tile), counters, _registers(tile, x.device))
         return hidden
-    if tile.presplit:
+    if tile.presplit and not ordered:
         x = presplit_columns(x, tile.block_k)
     if tile.gemv:
         _gate_up_gemv_kernel[(num_blocks, triton.cdiv(inter_dim, tile.block_n))](
@@ -375,10 +375,13 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
                      tile: Mxfp4Tile, combine: Combine | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both GEMMs over blocks of `tile`'s height: the rows and each pair's row in them (and with `combine`, a
     fold_combine tile's, their weighted sum in `combine.out`). A prologue tile groups the pairs and orders x in one
-    launch where the grouping is the one-program kernel; gate_up orders x otherwise."""
-    ordered = tile.prologue and one_program(expert_ids.numel(), num_experts)
-    if ordered:
+    launch where the grouping is the one-program kernel (and for a swap tile, x's columns are whole 256-column steps
+    and contiguous: otherwise gate_up pads and orders x itself); gate_up orders x otherwise."""
+    ordered = tile.prologue and one_program(expert_ids.numel(), num_experts) and (
+        tile.gluon or (x.shape[1] % 256 == 0 and x.stride(1) == 1))
+    if ordered and tile.gluon:
         _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
+    if ordered:
         blocks, x = group_pairs_and_columns(expert_ids, expert_offset, num_experts, tile.height, x, tile.coalesced_x,
                                             tile.coalesced_w)
     else:

@@ -6,7 +6,9 @@ Why. Neither needs the other, yet as two launches they ran one after the other: 
 the H200 (2d1109e, bench/results/moe-mxfp4-nvidia-h200.md) the grouping program took 11 us and the torch copy of x
 2 us more, before gate/up could start, in a 113 us step. Here the copy runs on other SMs during the grouping, and
 the step has one launch fewer. Only for the one-program grouping (at most `moe_blocks.SMALL_BATCH_PAIRS` pairs);
-larger batches keep the torch grouping and the torch copy. A tile asks for it with `Mxfp4Tile.prologue`.
+larger batches keep the torch grouping and the torch copy. A tile asks for it with `Mxfp4Tile.prologue`: the Gluon
+decode tiles, and the presplit swap tile at block_k 256 (K3 at 36-64 tokens), whose presplit order is the Gluon
+kernels' plain one. The launch takes the grouping's warps (`moe_blocks.grouping_warps`: 16 at 1024 pairs).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_program, small_grouping
+from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_program, grouping_warps, small_grouping
 
 COPY_ROWS = 4                      # x rows a copy program moves
 COPY_COLUMNS = 512                 # x columns a copy program moves (whole 256-column steps: a step stays in place)
@@ -76,5 +78,5 @@ def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_ex
     _group_pairs_and_columns_kernel[(1 + copies,)](*grouping.args, x, ordered, num_rows, num_cols, x.stride(0),
                                                    ordered.stride(0), **grouping.constexprs, COALESCED_X=coalesced_x,
                                                    COALESCED_W=coalesced_w, ROWS=COPY_ROWS, COLUMNS=COPY_COLUMNS,
-                                                   num_warps=4)
+                                                   num_warps=grouping_warps(grouping.constexprs["P_BLOCK"]))
     return grouping.blocks, ordered

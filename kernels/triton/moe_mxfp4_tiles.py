@@ -80,10 +80,12 @@ class Mxfp4Tile(NamedTuple):
     half_blocks: bool = False      # gluon, block_m 16 only: a block whose rows 8-15 are all padding runs the 8-row
     #                                product (half the MMAs and x loads); K3 at 64 tokens has 9.1 rows an expert
     #                                on average and about 45% of its experts at 8 or fewer
-    prologue: bool = False         # gluon only: the pairs' grouping and x's copy into the kernels' column order in
-    #                                one launch, side by side (`kernels.triton.moe_mxfp4_prologue`), where the
-    #                                grouping is the one-program kernel (<= moe_blocks.SMALL_BATCH_PAIRS pairs);
-    #                                bit for bit the same blocks and x
+    prologue: bool = False         # gluon, or swap presplit at block_k 256: the pairs' grouping and x's copy into the
+    #                                kernels' column order in one launch, side by side
+    #                                (`kernels.triton.moe_mxfp4_prologue`), where the grouping is the one-program
+    #                                kernel (<= moe_blocks.SMALL_BATCH_PAIRS pairs) and K is whole 256-column steps;
+    #                                bit for bit the same blocks and x (the Gluon kernels' plain order is the presplit
+    #                                order at block_k 256)
     fold_combine: bool = False     # stream only: the down kernel writes the op's output itself (each column block's
     #                                last program sums its columns, `kernels.triton.moe_mxfp4_stream`), no combine
     #                                launch after it; bit for bit the combine kernel's sums
@@ -204,7 +206,7 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
-    "decode_batch": SWAP_TILES_NVIDIA["decode_batch"],
+    "decode_batch": SWAP_TILES_NVIDIA["decode_batch"]._replace(prologue=True),
     "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
     "prefill": WGMMA_PREFILL_TILE_NVIDIA,
 }
@@ -317,9 +319,10 @@ def check_tile(tile: Mxfp4Tile) -> None:
     if tile.fold_combine and not tile.stream:
         raise ValueError(f"moe_experts_mxfp4: fold_combine counts the streamed pair's down programs; set stream=True, "
                          f"got {tile}")
-    if tile.prologue and not tile.gluon:
-        raise ValueError(f"moe_experts_mxfp4: prologue copies x into the Gluon mma.sync kernels' column order; set "
-                         f"gluon=True, got {tile}")
+    if tile.prologue and not (tile.gluon or (tile.swap and tile.presplit and tile.block_k == 256)):
+        raise ValueError(f"moe_experts_mxfp4: prologue copies x into the Gluon mma.sync kernels' column order, which "
+                         f"is a presplit swap tile's at block_k 256; set gluon=True, or swap and presplit with "
+                         f"block_k=256, got {tile}")
     if tile.wgmma:
         if (tile.gluon or not (tile.swap and tile.asm_decode and tile.presplit and tile.stacked)
                 or tile.block_m not in (16, 32, 64, 128, 256) or tile.block_n != 64 or tile.block_k != 128
