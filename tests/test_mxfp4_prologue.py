@@ -105,6 +105,8 @@ def test_a_swap_prologue_tile_gives_the_result_of_the_tile_without_it_bit_for_bi
     x = torch.randn(num_tokens, num_k, generator=gen)
     weights = torch.rand(num_tokens, top_k, generator=gen)
     ids = torch.randint(0, experts + offset, (num_tokens, top_k), generator=gen)
+    w13, w2, x, weights, ids = ([t.to(DEVICE) for t in w13], [t.to(DEVICE) for t in w2], x.to(DEVICE),
+                                weights.to(DEVICE), ids.to(DEVICE))
     outs = []
     for tile in (SWAP_TILE, SWAP_TILE._replace(prologue=True)):
         calls.clear()
