@@ -205,18 +205,33 @@ def _markdown(meta: dict, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _token_counts(text: str) -> tuple[int, ...]:
+    """'1,32,48' -> (1, 32, 48): positive token counts, refused by name otherwise."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes comma-separated token counts, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens takes token counts of at least 1, got {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(prog="python -m bench.moe_mxfp4_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--out", default=None, help="directory for the JSON and markdown results")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=_token_counts, default=None,
+                        help=f"decode token counts, comma-separated (default {','.join(map(str, DECODE_TOKENS))}; "
+                             f"smoke {','.join(map(str, SMOKE_DECODE_TOKENS))})")
+    parser.add_argument("--no-prefill", action="store_true", help="only the decode cases")
     args = parser.parse_args(argv)
     require_interpreter(args.smoke, "bench.moe_mxfp4_bench")
     ctx = make_context(args.smoke, seed=args.seed)
     shape = SMOKE_SHAPE if args.smoke else K3_SHAPE
     ceilings = measure_ceilings(ctx.timer, ctx.dtype, args.smoke)
-    decode = SMOKE_DECODE_TOKENS if args.smoke else DECODE_TOKENS
-    prefill = SMOKE_PREFILL_ROWS if args.smoke else PREFILL_ROWS
+    decode = args.tokens or (SMOKE_DECODE_TOKENS if args.smoke else DECODE_TOKENS)
+    prefill = () if args.no_prefill else SMOKE_PREFILL_ROWS if args.smoke else PREFILL_ROWS
     cases = [("decode", t) for t in decode] + [("prefill", rows // shape["top_k"]) for rows in prefill]
     packed = expert_weights(ctx, shape)
     rows = [run_case(ctx, shape, phase, tokens, ceilings.copy_tbps, packed) for phase, tokens in cases]

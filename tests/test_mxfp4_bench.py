@@ -53,3 +53,12 @@ def test_decode_rows_print_each_ops_kernel_ranking_or_why_there_is_none():
         in text
     assert "| `gate_up_gluon_kernel` |" in text and "decode 1 token(s), bf16: no profile (RuntimeError: no CUPTI)." \
         in text
+
+
+def test_tokens_and_no_prefill_choose_the_cases(tmp_path):
+    rows = moe_mxfp4_bench.main(["--smoke", "--out", str(tmp_path), "--tokens", "2,5", "--no-prefill"])
+    assert [(row.phase, row.tokens) for row in rows] == [("decode", 2), ("decode", 5)]
+    assert all(row.correct for row in rows)
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(SystemExit):
+            moe_mxfp4_bench.main(["--smoke", "--out", str(tmp_path), "--tokens", bad])
