@@ -203,8 +203,9 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # The swap gate/up kernel drops its weight row mask wherever I is a multiple of a program's columns (`EVEN_N`, every
 # sm_90 swap tile at K3's widths; bench/results/moe-mxfp4-even-n-*, on an H100): at 64 tokens gate/up 521 -> 512 us
 # in three calls. The down kernel keeps its mask (`moe_mxfp4._even_n` says why). decode_batch's swap tile takes the
-# one-launch prologue (763dabf against 75cdd00, same call: 64 tokens 0.8375 -> 0.8256 ms, one launch and the torch
-# copy of x fewer). Neither measured on an H200.
+# one-launch prologue (763dabf against 75cdd00: a launch and 3-4 us of kernels fewer a call; the calls moved -1.4% /
+# +0.4% at 64 tokens and +1.2% / -0.5% at 48 in two calls each, within the card's spread). Neither measured on an
+# H200.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
