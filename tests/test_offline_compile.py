@@ -234,6 +234,7 @@ def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is
         import triton
         from triton.compiler import ASTSource
         from backends.offline import _cuobjdump, capture, compile_launch, offline_target
+        from bench.kernel_resources import SASS_INSTRUCTION
         from kernels.triton.moe_mxfp4 import moe_experts_mxfp4
         target = offline_target("sm_90")
         tokens = 64
@@ -255,7 +256,7 @@ def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is
                 (Path(directory) / "k.cubin").write_bytes(cubin)
                 sass = subprocess.run([str(_cuobjdump()), "--dump-sass", str(Path(directory) / "k.cubin")],
                                       capture_output=True, text=True, check=True).stdout
-            instructions = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and ";" in line)
+            instructions = len(SASS_INSTRUCTION.findall(sass))
             print(form, c.error or "ok", c.resources.registers, c.resources.scratch_bytes, instructions,
                   sass.count("WARPGROUP.ARRIVE"), sass.count("WARPGROUP.DEPBAR"), constexprs[even])
     """), timeout=900)

@@ -1,6 +1,7 @@
-"""The Gluon MXFP4 decode's prologue as one launch: program 0 groups the (token, choice) pairs into expert blocks
-(`moe_blocks.group_pairs_program`) while the other programs copy x into the column order the Gluon kernels read
-(`stored_column`; the torch form is `moe_mxfp4_gluon_operands.gluon_columns`).
+"""The MXFP4 decode's prologue as one launch (the Gluon tiles' and decode_batch's swap tile's): program 0 groups
+the (token, choice) pairs into expert blocks (`moe_blocks.group_pairs_program`) while the other programs copy x
+into the column order the Gluon kernels read (`stored_column`; the torch form is
+`moe_mxfp4_gluon_operands.gluon_columns`).
 
 Why. Neither needs the other, yet as two launches they ran one after the other: in K3's one-token MXFP4 step on
 the H200 (2d1109e, bench/results/moe-mxfp4-nvidia-h200.md) the grouping program took 11 us and the torch copy of x
