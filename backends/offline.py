@@ -178,16 +178,8 @@ class CompileResult:
 
 def compile_launch(launch: Launch, target: OfflineTarget) -> CompileResult:
     """Compile one captured launch for `target`; a compile error or an LDS / shared-memory overrun is a failure."""
-    import triton  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
-    options = {k: v for k, v in launch.options.items() if v is not None}
-    source = ASTSource
-    if getattr(launch.fn, "is_gluon", lambda: False)():       # a Gluon kernel (kernels.triton.moe_mxfp4_gluon)
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
-        source = GluonASTSource
     try:
-        compiled = triton.compile(source(launch.fn, launch.signature, launch.constexprs, launch.attrs),
-                                  target=target.triton_target, options=options)
+        compiled = _compile(launch, target)
         resources = (_amd_resources(compiled, target, launch) if target.vendor == "amd"
                      else _nvidia_resources(compiled, target, launch))
     except Exception as exc:  # noqa: BLE001  (any compiler failure is the finding; its message is kept)
@@ -197,6 +189,30 @@ def compile_launch(launch: Launch, target: OfflineTarget) -> CompileResult:
         return CompileResult(launch, resources, f"needs {resources.shared_bytes} B of shared memory, the "
                                                 f"{target.arch} limit is {resources.shared_limit} B")
     return CompileResult(launch, resources)
+
+
+def _compile(launch: Launch, target: OfflineTarget):
+    import triton  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+    options = {k: v for k, v in launch.options.items() if v is not None}
+    source = ASTSource
+    if getattr(launch.fn, "is_gluon", lambda: False)():       # a Gluon kernel (kernels.triton.moe_mxfp4_gluon)
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+        source = GluonASTSource
+    return triton.compile(source(launch.fn, launch.signature, launch.constexprs, launch.attrs),
+                          target=target.triton_target, options=options)
+
+
+def launch_sass(launch: Launch, target: OfflineTarget) -> str:
+    """The SASS of one captured launch compiled for an NVIDIA `target` (cuobjdump --dump-sass), for tests and
+    tools that count what a kernel's loop issues; a compile error raises."""
+    if target.vendor != "nvidia":
+        raise ValueError(f"launch_sass: SASS is NVIDIA's; {target.arch} is {target.vendor}")
+    with tempfile.TemporaryDirectory() as directory:
+        cubin = Path(directory) / "kernel.cubin"
+        cubin.write_bytes(_compile(launch, target).asm["cubin"])
+        return subprocess.run([str(_cuobjdump()), "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
 
 
 def _field(text: str, name: str) -> int:

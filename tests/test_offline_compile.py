@@ -229,11 +229,8 @@ def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is
     wait instructions). Down is launched masked: EVEN_N there made ptxas wait on each wgmma alone. The masked
     gate/up form runs in the interpreted tests (tests/test_mxfp4_ops.py: 64-column stacked programs, I = 96)."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
-        import dataclasses, subprocess, tempfile
-        from pathlib import Path
-        import triton
-        from triton.compiler import ASTSource
-        from backends.offline import _cuobjdump, capture, compile_launch, offline_target
+        import dataclasses
+        from backends.offline import capture, compile_launch, launch_sass, offline_target
         from bench.kernel_resources import SASS_INSTRUCTION
         from kernels.triton.moe_mxfp4 import moe_experts_mxfp4
         target = offline_target("sm_90")
@@ -249,13 +246,7 @@ def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is
         for form, constexprs in (("even", gate_up.constexprs), ("masked", {**gate_up.constexprs, even: False})):
             launch = dataclasses.replace(gate_up, constexprs=constexprs)
             c = compile_launch(launch, target)
-            options = {k: v for k, v in launch.options.items() if v is not None}
-            cubin = triton.compile(ASTSource(launch.fn, launch.signature, constexprs, launch.attrs),
-                                   target=target.triton_target, options=options).asm["cubin"]
-            with tempfile.TemporaryDirectory() as directory:
-                (Path(directory) / "k.cubin").write_bytes(cubin)
-                sass = subprocess.run([str(_cuobjdump()), "--dump-sass", str(Path(directory) / "k.cubin")],
-                                      capture_output=True, text=True, check=True).stdout
+            sass = launch_sass(launch, target)
             instructions = len(SASS_INSTRUCTION.findall(sass))
             print(form, c.error or "ok", c.resources.registers, c.resources.scratch_bytes, instructions,
                   sass.count("WARPGROUP.ARRIVE"), sass.count("WARPGROUP.DEPBAR"), constexprs[even])
@@ -268,6 +259,46 @@ def test_the_swap_gate_up_kernel_drops_its_weight_row_mask_where_every_column_is
     assert int(even[1]) <= min(128, int(masked[1])) and even[2] == masked[2] == "0", result.stdout
     assert int(even[3]) < int(masked[3]), result.stdout                # fewer instructions
     assert even[4:6] == masked[4:6], result.stdout                     # the wgmma batched as before
+
+
+def test_the_gluon_decode_kernels_load_x_with_no_row_mask():
+    """A decode block's padding columns read a real row's x (`moe_mxfp4_gluon._x_rows`), so at 1 and 16 tokens of
+    K3 on sm_90 the Gluon kernels' K loops load x / hidden with no predicate: masked, each was a predicated
+    LDG.E.128 whose registers were zeroed first (16 CS2R a K step). The loop is the SASS between a backward branch
+    and its target that holds the HMMAs. (The swap kernels at 64 tokens read x the same way; their cp.async copies
+    are predicated by the pipeline's stage anyway.)"""
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        import re
+        from backends.offline import capture, launch_sass, offline_target
+        from bench.kernel_resources import SASS_INSTRUCTION
+        from kernels.triton.moe_mxfp4 import moe_experts_mxfp4
+        target = offline_target("sm_90")
+        for tokens in (1, 16):
+            ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K]
+                               for t in range(tokens)])
+            with capture(target) as recorder:
+                moe_experts_mxfp4(torch.empty(tokens, D, dtype=torch.bfloat16), *w13, *w2,
+                                  torch.full((tokens, K), 1 / K), ids, "situ", 4.0, 25.0, max_scale=120)
+            for _, launch in recorder.launches:
+                if "gluon" not in launch.kernel:
+                    continue
+                lines = [m.group(0) for m in SASS_INSTRUCTION.finditer(launch_sass(launch, target))]
+                address = [int(re.search(r"/\\*([0-9a-f]+)\\*/", line).group(1), 16) for line in lines]
+                for end, line in enumerate(lines):
+                    jump = re.search(r"BRA\\s.*?0x([0-9a-f]+)", line)
+                    if jump and int(jump.group(1), 16) in address[:end]:
+                        body = lines[address.index(int(jump.group(1), 16)):end + 1]
+                        if any("HMMA" in b for b in body):
+                            print(tokens, launch.kernel, len(body), sum("HMMA" in b for b in body),
+                                  sum(bool(re.search(r"@!?P\\d+\\s+LDG", b)) for b in body),
+                                  sum("CS2R" in b for b in body))
+    """), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {tuple(line.split()[:2]): [int(n) for n in line.split()[2:]] for line in result.stdout.splitlines()}
+    assert set(rows) == {(tokens, kernel) for tokens in ("1", "16")
+                         for kernel in ("gate_up_gluon_kernel", "down_gluon_kernel")}, result.stdout
+    for key, (instructions, mmas, predicated_loads, zeroing) in rows.items():
+        assert mmas == 16 and predicated_loads == 0 and zeroing == 0, (key, result.stdout)
 
 
 def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():

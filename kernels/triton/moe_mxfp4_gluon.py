@@ -61,25 +61,26 @@ def _glu_layout():
 
 
 @gluon.jit
-def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
             SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """The [WEIGHT_ROWS, BLOCK_M] float32 product of the program's weight rows and its x (or hidden) rows over
     `steps` K steps of 256 columns: per step the low nibbles against the presplit even half, the high against the
-    odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles. STAGES > 1: `_k_loop_staged`."""
+    odd. A warp's x fragments feed its WEIGHT_ROWS / 64 m16 tiles. Every x pointer is a real row's
+    (`_x_rows`): the loads carry no mask. STAGES > 1: `_k_loop_staged`."""
     if STAGES > 1:
-        return _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
+        return _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, steps, WEIGHT_ROWS, BLOCK_M, SCALE_FOLD,
                               COALESCED_X, COALESCED_W, STAGES)
     acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
     for step in range(0, steps):
         low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
-        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
+        even, odd = _x_halves(x_ptrs, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
         acc = mma_v2(low, even, acc)
         acc = mma_v2(high, odd, acc)
     return acc
 
 
 @gluon.jit
-def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, steps, WEIGHT_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                    SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr,
                    STAGES: gl.constexpr):
     """`_k_loop` with the weight bytes a software pipeline: each thread copies its own 16-byte pieces of step
@@ -111,7 +112,7 @@ def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, row_mask, steps, WEIGHT_ROWS: 
             async_copy.async_copy_global_to_shared(stages.index(ahead % STAGES), copy_ptrs + ahead * STEP_BYTES)
         async_copy.commit_group()
         next_scale = gl.load(scale_ptrs + gl.minimum(step + 1, steps - 1) * 8)
-        even, odd = _x_halves(x_ptrs, row_mask, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
+        even, odd = _x_halves(x_ptrs, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
         async_copy.wait_group(STAGES - 1)                                   # this thread's copies of step
         byte = gl.convert_layout(_piece_rows(stages.index(step % STAGES).load(_stage_layout(WEIGHT_ROWS)),
                                              WEIGHT_ROWS, COALESCED_W),
@@ -178,16 +179,24 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
                   COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Gate/up program `col` over the ROWS sorted rows from row0: the product, the GLU and the store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
-    pairs = gl.load(sorted_pairs_ptr + rows)
-    row_mask = (pairs < num_pairs)[None, :]                        # padding rows hold num_pairs
+    pairs = _x_rows(gl.load(sorted_pairs_ptr + rows), gl.load(sorted_pairs_ptr + row0), num_pairs)
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, ROWS, COALESCED_X, COALESCED_W)
-    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, row_mask, hidden_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
+    acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, hidden_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W, STAGES)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
                                                  linear_beta, WEIGHT_ROWS, ROWS, IS_SITU, HAS_LINEAR_CLIP)
     places = stored_column(cols, COALESCED_X, COALESCED_W)
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
+
+
+@gluon.jit
+def _x_rows(pairs, first_pair, num_pairs):
+    """The pairs whose x rows a block's MMA columns read: a padding row (num_pairs) reads the block's first pair's
+    row, a real one. An MMA's output columns are independent of each other's B columns and a padding column is
+    never stored, so the x loads need no mask; without one they take no predicate and their registers no zeroing
+    (16 CS2R a K step at 8 rows, offline sm_90), and padding columns load the addresses column 0 loads."""
+    return gl.where(pairs < num_pairs, pairs, first_pair)
 
 
 @gluon.jit
@@ -296,9 +305,9 @@ def _down_rows_product(hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, sc
                        COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Down program `col_block` over the ROWS sorted rows from row0: the product and its float32 store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
-    row_mask = (gl.load(sorted_pairs_ptr + rows) < num_pairs)[None, :]
+    rows = gl.where(gl.load(sorted_pairs_ptr + rows) < num_pairs, rows, row0)      # `_x_rows`: padding reads row0
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, ROWS, COALESCED_X, COALESCED_W)
-    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, row_mask, inter_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
+    acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, inter_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W, STAGES)
     cols = col_block * WEIGHT_ROWS + gl.arange(0, WEIGHT_ROWS, layout=_slice(1, _mma_layout()))
     out_rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _mma_layout()))

@@ -278,11 +278,11 @@ def _piece_rows(pieces, WEIGHT_ROWS: gl.constexpr, COALESCED_W: gl.constexpr):
 
 
 @gluon.jit
-def _x_halves(x_ptrs, row_mask, k_start, BLOCK_M: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
-    """Presplit x (or hidden) columns [k_start, k_start + 256) of the block's rows: (even, odd) halves [128, BLOCK_M]
-    in the B operand layout, padding rows zero."""
-    even = gl.load(x_ptrs + k_start, mask=row_mask, other=0.0)
-    odd = gl.load(x_ptrs + (k_start + 128), mask=row_mask, other=0.0)
+def _x_halves(x_ptrs, k_start, BLOCK_M: gl.constexpr, COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
+    """Presplit x (or hidden) columns [k_start, k_start + 256) of the block's rows (each pointer a real row's:
+    `moe_mxfp4_gluon._x_rows`): (even, odd) halves [128, BLOCK_M] in the B operand layout."""
+    even = gl.load(x_ptrs + k_start)
+    odd = gl.load(x_ptrs + (k_start + 128))
     if COALESCED_X:
         even = _stored_to_column(even, BLOCK_M, COALESCED_W)
         odd = _stored_to_column(odd, BLOCK_M, COALESCED_W)
