@@ -265,8 +265,7 @@ def test_the_gluon_decode_kernels_load_x_with_no_row_mask():
     """A decode block's padding columns read a real row's x (`moe_mxfp4_gluon._x_rows`), so at 1 and 16 tokens of
     K3 on sm_90 the Gluon kernels' K loops load x / hidden with no predicate: masked, each was a predicated
     LDG.E.128 whose registers were zeroed first (16 CS2R a K step). The loop is the SASS between a backward branch
-    and its target that holds the HMMAs. (The swap kernels at 64 tokens read x the same way; their cp.async copies
-    are predicated by the pipeline's stage anyway.)"""
+    and its target that holds the HMMAs. (The swap kernels keep their masks: `moe_mxfp4_operands._rows_t`.)"""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         import re
         from backends.offline import capture, launch_sass, offline_target

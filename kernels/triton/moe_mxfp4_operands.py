@@ -196,39 +196,36 @@ def _weight_tile(packed_ptr, scale_ptr, expert, packed_expert_stride, packed_row
 
 
 @triton.jit
-def _real_rows(rows, real, first):
-    """`rows` [BLOCK_M] with each padding row (not `real`) replaced by `first`, a real row of the block: the rows
-    whose x (or hidden) a block's dot columns read. A dot's output columns are independent of each other's B
-    columns and a padding column is never stored, so `_rows_t` and `_rows_k` load with no row mask: no predicate,
-    no zeroed registers, and padding columns load the addresses a real column loads."""
-    return tl.where(real, rows, first)
-
-
-@triton.jit
-def _rows_t(row_ptrs, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
+def _rows_t(row_ptrs, row_mask, k_start, num_k, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr,
             SPLIT_X: tl.constexpr, PRESPLIT: tl.constexpr = False):
     """Even and odd K columns [k_start, k_start + 2 * HALF_K) of the rows behind `row_ptrs` [BLOCK_M] (pointers
-    to each row's first element, every one a real row's: `_real_rows`), as the dot's second operands [HALF_K,
-    BLOCK_M]. SPLIT_X loads the contiguous [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers;
-    PRESPLIT rows are already ordered [even | odd] per 2 * HALF_K columns and zero-padded to a whole step
-    (`presplit_columns`), so each half is a contiguous run with no mask; otherwise two stride-2 loads."""
+    to each row's first element), as the dot's second operands [HALF_K, BLOCK_M]. SPLIT_X loads the contiguous
+    [BLOCK_M, 2 * HALF_K] tile (vector loads) and splits it in registers; PRESPLIT rows are already ordered
+    [even | odd] per 2 * HALF_K columns and zero-padded to a whole step (`presplit_columns`), so each half is a
+    contiguous run with no K mask; otherwise two stride-2 loads. Padding rows stay masked (zero-filled): read from
+    a real row instead, as the Gluon decode kernels do (`moe_mxfp4_gluon._x_rows`), K3's 64-token swap kernels
+    lost 6 and 9 of ~500 SASS instructions a step and ran 0.3% (gate/up) and 1.3% (down) longer on an H100
+    (14ee48c): on sm_90 these loads become cp.async copies that bypass L1, so each padding column's copy is an L2
+    request of its own, where the zero-fill issues none."""
     if PRESPLIT:
         j = tl.arange(0, HALF_K)
-        even = tl.load(row_ptrs[None, :] + (k_start + j)[:, None])
-        odd = tl.load(row_ptrs[None, :] + (k_start + HALF_K + j)[:, None])
+        even = tl.load(row_ptrs[None, :] + (k_start + j)[:, None], mask=row_mask[None, :], other=0.0)
+        odd = tl.load(row_ptrs[None, :] + (k_start + HALF_K + j)[:, None], mask=row_mask[None, :], other=0.0)
         return even, odd
     if SPLIT_X:
         ks = k_start + tl.arange(0, 2 * HALF_K)
         if EVEN_K:
-            tile = tl.load(row_ptrs[:, None] + ks[None, :])                            # [BLOCK_M, 2 * HALF_K]
+            mask = row_mask[:, None]
         else:
-            tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=(ks < num_k)[None, :], other=0.0)
+            mask = row_mask[:, None] & (ks < num_k)[None, :]
+        tile = tl.load(row_ptrs[:, None] + ks[None, :], mask=mask, other=0.0)           # [BLOCK_M, 2 * HALF_K]
         even, odd = tl.split(tl.reshape(tile, (BLOCK_M, HALF_K, 2)))
         return tl.trans(even), tl.trans(odd)
     k_even = k_start + 2 * tl.arange(0, HALF_K)
     if EVEN_K:
-        return tl.load(row_ptrs[None, :] + k_even[:, None]), tl.load(row_ptrs[None, :] + (k_even + 1)[:, None])
-    mask = (k_even < num_k)[:, None]
+        mask = row_mask[None, :]
+    else:
+        mask = (k_even < num_k)[:, None] & row_mask[None, :]
     even = tl.load(row_ptrs[None, :] + k_even[:, None], mask=mask, other=0.0)          # [HALF_K, BLOCK_M]
     odd = tl.load(row_ptrs[None, :] + (k_even + 1)[:, None], mask=mask, other=0.0)
     return even, odd
@@ -247,10 +244,11 @@ def _scaled_dot(acc, packed_ptr, scale_ptr, expert, packed_expert_stride, packed
 
 
 @triton.jit
-def _rows_k(row_ptrs, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """K columns [k_start, k_start + BLOCK_K) of the rows behind `row_ptrs` [BLOCK_M] (real rows: `_real_rows`),
-    as [BLOCK_K, BLOCK_M]."""
+def _rows_k(row_ptrs, row_mask, k_start, num_k, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """K columns [k_start, k_start + BLOCK_K) of the rows behind `row_ptrs` [BLOCK_M], as [BLOCK_K, BLOCK_M]."""
     ks = k_start + tl.arange(0, BLOCK_K)
     if EVEN_K:
-        return tl.load(row_ptrs[None, :] + ks[:, None])
-    return tl.load(row_ptrs[None, :] + ks[:, None], mask=(ks < num_k)[:, None], other=0.0)
+        mask = row_mask[None, :]
+    else:
+        mask = (ks < num_k)[:, None] & row_mask[None, :]
+    return tl.load(row_ptrs[None, :] + ks[:, None], mask=mask, other=0.0)

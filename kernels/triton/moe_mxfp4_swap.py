@@ -19,11 +19,11 @@ import triton.language as tl
 
 from kernels.triton.activation import glu_f32
 from kernels.triton.moe_mxfp4_operands import (  # noqa: F401  (FOLD_MAX_SCALE is part of this module's API)
-    FOLD_MAX_SCALE, _real_rows, _rows_k, _rows_t, _scaled_dot, _weight_rows, _weight_tile)
+    FOLD_MAX_SCALE, _rows_k, _rows_t, _scaled_dot, _weight_rows, _weight_tile)
 
 
 @triton.jit
-def _gate_up_step(acc_gate, acc_up, x_rows, w_packed, w_scale, expert, packed_expert_stride,
+def _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert, packed_expert_stride,
                   packed_row_stride, scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                   inter_dim, HALF_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
                   EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, HALF_MATH: tl.constexpr, ASM_DECODE: tl.constexpr,
@@ -32,7 +32,7 @@ def _gate_up_step(acc_gate, acc_up, x_rows, w_packed, w_scale, expert, packed_ex
     with NATURAL_K two whole-K dots on the decoded halves interleaved back into column order. PRESPLIT: x rows
     arrive [even | odd] per step (`_rows_t`)."""
     if NATURAL_K:
-        x_t = _rows_k(x_rows, k_start, hidden_dim, 2 * HALF_K, EVEN_K)        # [BLOCK_K, BLOCK_M]
+        x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, 2 * HALF_K, EVEN_K)        # [BLOCK_K, BLOCK_M]
         gate = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                             scale_row_stride, cols, col_mask, k_start, hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K,
                             HALF_MATH, ASM_DECODE, SCALE_FOLD)
@@ -42,7 +42,7 @@ def _gate_up_step(acc_gate, acc_up, x_rows, w_packed, w_scale, expert, packed_ex
         acc_gate = tl.dot(gate, x_t, acc_gate, input_precision="ieee")
         acc_up = tl.dot(up, x_t, acc_up, input_precision="ieee")
         return acc_gate, acc_up
-    x_even, x_odd = _rows_t(x_rows, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
+    x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
     gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim,
                                        HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
@@ -122,8 +122,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
     rows = start + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs                                        # padding rows hold num_pairs
-    x_pairs = _real_rows(pairs, row_mask, tl.load(sorted_pairs_ptr + start))
-    x_rows = x_ptr + (x_pairs // TOP_K).to(tl.int64) * x_row_stride                 # [BLOCK_M] row starts
+    x_rows = x_ptr + (pairs // TOP_K).to(tl.int64) * x_row_stride                   # [BLOCK_M] row starts
     if STACKED:
         HALF_N: tl.constexpr = BLOCK_N // 2
         cols = tl.program_id(1) * HALF_N + tl.arange(0, HALF_N)        # [HALF_N] of I
@@ -133,7 +132,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
         w_mask = (stack_cols < inter_dim) | EVEN_N                     # EVEN_N: a constant, no mask on the loads
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for k_start in range(0, hidden_dim, BLOCK_K):
-            x_even, x_odd = _rows_t(x_rows, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, w_rows, w_mask,
@@ -152,7 +151,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
         X_FORMAT: tl.constexpr = "fp16" if x_ptr.dtype.element_ty == tl.float16 else "bf16"
         for k_start in range(0, hidden_dim, BLOCK_K):
             if SCALED:
-                x_t = _rows_k(x_rows, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
+                x_t = _rows_k(x_rows, row_mask, k_start, hidden_dim, BLOCK_K, EVEN_K)         # [BLOCK_K, BLOCK_M]
                 acc_gate = _scaled_dot(acc_gate, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                        scale_expert_stride, scale_row_stride, cols, col_mask, k_start, hidden_dim, x_t,
                                        HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
@@ -160,7 +159,7 @@ def _gate_up_rows(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert
                                      scale_expert_stride, scale_row_stride, cols + inter_dim, col_mask, k_start,
                                      hidden_dim, x_t, HALF_K, BLOCK_N, EVEN_K, X_FORMAT)
             else:
-                acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, w_packed, w_scale, expert,
+                acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_mask, w_packed, w_scale, expert,
                                                  packed_expert_stride, packed_row_stride, scale_expert_stride,
                                                  scale_row_stride, cols, col_mask, k_start, hidden_dim, inter_dim,
                                                  HALF_K, BLOCK_M, BLOCK_N, x_ptr.dtype.element_ty, EVEN_K, SPLIT_X,
@@ -188,8 +187,7 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
     tail_rows = start + BLOCK_M + tl.arange(0, TAIL_M)
     tail_pairs = tl.load(sorted_pairs_ptr + tail_rows)
     tail_mask = tail_pairs < num_pairs
-    tail_x_pairs = _real_rows(tail_pairs, tail_mask, tl.load(sorted_pairs_ptr + start))
-    x_tail = x_ptr + (tail_x_pairs // TOP_K).to(tl.int64) * x_row_stride
+    x_tail = x_ptr + (tail_pairs // TOP_K).to(tl.int64) * x_row_stride
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     if STACKED:
         HALF_N: tl.constexpr = BLOCK_N // 2
@@ -201,9 +199,9 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
         for k_start in range(0, hidden_dim, BLOCK_K):
-            x_even, x_odd = _rows_t(x_rows, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
-            t_even, t_odd = _rows_t(x_tail, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X,
+            t_even, t_odd = _rows_t(x_tail, tail_mask, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, w_rows, w_mask,
@@ -227,8 +225,8 @@ def _gate_up_two(x_ptr, w_packed, w_scale, hidden_ptr, sorted_pairs_ptr, expert,
         tail_gate = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
         tail_up = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
         for k_start in range(0, hidden_dim, BLOCK_K):
-            x_even, x_odd = _rows_t(x_rows, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
-            t_even, t_odd = _rows_t(x_tail, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
+            x_even, x_odd = _rows_t(x_rows, row_mask, k_start, hidden_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
+            t_even, t_odd = _rows_t(x_tail, tail_mask, k_start, hidden_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
             gate_low, gate_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                                scale_expert_stride, scale_row_stride, cols, col_mask, k_start,
                                                hidden_dim, HALF_K, BLOCK_N, DTYPE, EVEN_K, HALF_MATH, ASM_DECODE,
@@ -323,25 +321,25 @@ def _down_rows(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, ex
     HALF_K: tl.constexpr = BLOCK_K // 2
     rows = start + tl.arange(0, BLOCK_M)
     row_mask = tl.load(sorted_pairs_ptr + rows) < num_pairs
-    h_rows = hidden_ptr + _real_rows(rows, row_mask, start).to(tl.int64) * hidden_row_stride  # [BLOCK_M] starts
+    h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride                     # [BLOCK_M] row starts
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N] of D
     col_mask = cols < hidden_dim
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     X_FORMAT: tl.constexpr = "fp16" if hidden_ptr.dtype.element_ty == tl.float16 else "bf16"
     for k_start in range(0, inter_dim, BLOCK_K):
         if SCALED:
-            h_t = _rows_k(h_rows, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
+            h_t = _rows_k(h_rows, row_mask, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
             acc = _scaled_dot(acc, w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                               scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim, h_t, HALF_K,
                               BLOCK_N, EVEN_K, X_FORMAT)
         elif NATURAL_K:
-            h_t = _rows_k(h_rows, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
+            h_t = _rows_k(h_rows, row_mask, k_start, inter_dim, BLOCK_K, EVEN_K)             # [BLOCK_K, BLOCK_M]
             w = _weight_tile(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride, scale_expert_stride,
                              scale_row_stride, cols, col_mask, k_start, inter_dim, HALF_K, BLOCK_N,
                              hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE, SCALE_FOLD)
             acc = tl.dot(w, h_t, acc, input_precision="ieee")
         else:
-            h_even, h_odd = _rows_t(h_rows, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
+            h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X,
                                     PRESPLIT)
             w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                          scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
@@ -367,14 +365,14 @@ def _down_two(hidden_ptr, w_packed, w_scale, rows_out_ptr, sorted_pairs_ptr, exp
     h_rows = hidden_ptr + rows.to(tl.int64) * hidden_row_stride
     tail_rows = start + BLOCK_M + tl.arange(0, TAIL_M)
     tail_mask = tl.load(sorted_pairs_ptr + tail_rows) < num_pairs
-    h_tail = hidden_ptr + _real_rows(tail_rows, tail_mask, start).to(tl.int64) * hidden_row_stride
+    h_tail = hidden_ptr + tail_rows.to(tl.int64) * hidden_row_stride
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden_dim
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_tail = tl.zeros((BLOCK_N, TAIL_M), tl.float32)
     for k_start in range(0, inter_dim, BLOCK_K):
-        h_even, h_odd = _rows_t(h_rows, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
-        t_even, t_odd = _rows_t(h_tail, k_start, inter_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
+        h_even, h_odd = _rows_t(h_rows, row_mask, k_start, inter_dim, HALF_K, BLOCK_M, EVEN_K, SPLIT_X, PRESPLIT)
+        t_even, t_odd = _rows_t(h_tail, tail_mask, k_start, inter_dim, HALF_K, TAIL_M, EVEN_K, SPLIT_X, PRESPLIT)
         w_low, w_high = _weight_rows(w_packed, w_scale, expert, packed_expert_stride, packed_row_stride,
                                      scale_expert_stride, scale_row_stride, cols, col_mask, k_start, inter_dim,
                                      HALF_K, BLOCK_N, hidden_ptr.dtype.element_ty, EVEN_K, HALF_MATH, ASM_DECODE,
