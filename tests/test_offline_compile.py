@@ -265,7 +265,8 @@ def test_the_gluon_decode_kernels_load_x_with_no_row_mask():
     """A decode block's padding columns read a real row's x (`moe_mxfp4_gluon._x_rows`), so at 1 and 16 tokens of
     K3 on sm_90 the Gluon kernels' K loops load x / hidden with no predicate: masked, each was a predicated
     LDG.E.128 whose registers were zeroed first (16 CS2R a K step). The loop is the SASS between a backward branch
-    and its target that holds the HMMAs. (The swap kernels keep their masks: `moe_mxfp4_operands._rows_t`.)"""
+    and its target that holds the HMMAs. (The swap kernels keep their masks: `moe_mxfp4_operands._rows_t`.) At 16
+    tokens (the decode tile, capped at 80 registers) the loop reloads no spill either."""
     result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
         import re
         from backends.offline import capture, launch_sass, offline_target
@@ -290,14 +291,16 @@ def test_the_gluon_decode_kernels_load_x_with_no_row_mask():
                         if any("HMMA" in b for b in body):
                             print(tokens, launch.kernel, len(body), sum("HMMA" in b for b in body),
                                   sum(bool(re.search(r"@!?P\\d+\\s+LDG", b)) for b in body),
-                                  sum("CS2R" in b for b in body))
+                                  sum("CS2R" in b for b in body), sum("LDL" in b for b in body))
     """), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {tuple(line.split()[:2]): [int(n) for n in line.split()[2:]] for line in result.stdout.splitlines()}
     assert set(rows) == {(tokens, kernel) for tokens in ("1", "16")
                          for kernel in ("gate_up_gluon_kernel", "down_gluon_kernel")}, result.stdout
-    for key, (instructions, mmas, predicated_loads, zeroing) in rows.items():
+    for key, (instructions, mmas, predicated_loads, zeroing, local_loads) in rows.items():
         assert mmas == 16 and predicated_loads == 0 and zeroing == 0, (key, result.stdout)
+    # the decode tile's register cap (80, `moe_mxfp4_tiles`): no spill reloaded in its K loop at 16 tokens
+    assert rows[("16", "gate_up_gluon_kernel")][4] == rows[("16", "down_gluon_kernel")][4] == 0, result.stdout
 
 
 def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():
