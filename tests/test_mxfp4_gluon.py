@@ -26,30 +26,16 @@ gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon_operands")
 GLUON_TILE = moe_mxfp4_tiles.GLUON_DECODE_TILE_NVIDIA          # the plain (unstreamed) Gluon decode tile
 
 
-def _decode_text(folded: bool, paired: bool) -> str:
-    if paired:
-        return (gluon._QUAD_DECODE_PAIRED_FOLDED if folded else gluon._QUAD_DECODE_PAIRED).value
-    return (gluon._QUAD_DECODE_FOLDED if folded else gluon._QUAD_DECODE).value
-
-
-PAIRED = [False, True]
-PAIRED_IDS = ["byte-order", "paired"]
-
-
-@pytest.mark.parametrize("paired", PAIRED, ids=PAIRED_IDS)
 @pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
-def test_quad_decode_gives_every_byte_in_every_position_the_reference_value(folded, paired):
+def test_quad_decode_gives_every_byte_in_every_position_the_reference_value(folded):
     """Four bytes a call: the low-nibble codes of bytes (0, 1) and (2, 3), then the high-nibble ones, each times
-    its byte's scale (paired: of bytes (0, 2) and (1, 3), the plain Gluon layout's); every byte value in each of
-    the four positions, scale bytes at the extremes (the folded form up to FOLD_MAX_SCALE, its only domain). In
-    the kernels the four bytes share a scale; here each byte's scale is its own word's slot, so that a swapped
-    operand shows: the paired form's output element 1 (byte 2) takes $5's high half, the scale of slot 1."""
+    its byte's scale; every byte value in each of the four positions, scale bytes at the extremes (the folded form
+    up to FOLD_MAX_SCALE, its only domain), each byte its own scale so that a swapped operand shows."""
     codes = _code_table(torch.device("cpu"), torch.float64)
     scales = _scale_table(torch.device("cpu"), torch.float64)
     extremes = FOLD_SCALES if folded else (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
     scale_bits = _all_scale_bits(folded)
-    text = _decode_text(folded, paired)
-    order = (0, 2, 1, 3) if paired else (0, 1, 2, 3)               # the byte output element i holds
+    text = (gluon._QUAD_DECODE_FOLDED if folded else gluon._QUAD_DECODE).value
     for shift in range(len(extremes)):
         scale_bytes = [extremes[(shift + 3 * i) % len(extremes)] for i in range(4)]
         bits = [scale_bits[b] for b in scale_bytes]
@@ -59,52 +45,17 @@ def test_quad_decode_gives_every_byte_in_every_position_the_reference_value(fold
             regs = run_ptx(text, {"$4": word, "$5": bits[0] | bits[1] << 16, "$6": bits[2] | bits[3] << 16})
             low = [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
             high = [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
-            for i, scale_byte in enumerate(scale_bytes):
-                byte = packed[order[i]]
+            for i, (byte, scale_byte) in enumerate(zip(packed, scale_bytes)):
                 want = (_float_to_bf16(codes[byte & 15].item() * scales[scale_byte].item()),
                         _float_to_bf16(codes[byte >> 4].item() * scales[scale_byte].item()))
                 assert (low[i], high[i]) == want, (i, byte, scale_byte, hex(low[i]), hex(high[i]))
 
 
-def test_the_paired_decode_against_x_in_the_paired_order_is_the_dot_of_the_byte_order():
-    """What makes the paired decode correct in the kernels: element P of its output (the weight a thread's A
-    fragment holds at P) meets x's place P of the paired order (`gluon_columns(..., paired=True)`, what the B
-    fragment holds at P), so each code meets its own column. One row's 256-column step: the decode of its 128
-    bytes (32 words, one scale a 16 bytes) dotted with x's paired even and odd halves place by place equals the
-    float64 dot of the dequantised row with x in column order. Values are small integers, so every sum is exact.
-    `stored_column` puts gate/up's hidden in the same order (tests/test_mxfp4_prologue.py)."""
-    gen = torch.Generator().manual_seed(11)
-    codes = _code_table(torch.device("cpu"), torch.float64)
-    scales = _scale_table(torch.device("cpu"), torch.float64)
-    scale_bits = _all_scale_bits(False)
-    packed = torch.randint(0, 256, (128,), generator=gen)
-    group_scales = torch.randint(125, 130, (8,), generator=gen)
-    x = torch.randint(-8, 9, (1, 256), generator=gen).to(torch.float64)
-    row = (torch.stack([codes[packed & 15], codes[packed >> 4]], 1).reshape(256)          # column 2j, 2j + 1
-           * scales[group_scales].repeat_interleave(32))
-    want = (row * x[0]).sum().item()
-    places = gluon.gluon_columns(x, False, False, True)[0]                  # [even half | odd half]
-    low, high = [], []
-    for w in range(32):
-        word = sum(int(packed[4 * w + i]) << (8 * i) for i in range(4))
-        bits = scale_bits[int(group_scales[w // 4])]
-        regs = run_ptx(gluon._QUAD_DECODE_PAIRED.value, {"$4": word, "$5": bits | bits << 16, "$6": bits | bits << 16})
-        low += [regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF, regs["$1"] >> 16]
-        high += [regs["$2"] & 0xFFFF, regs["$2"] >> 16, regs["$3"] & 0xFFFF, regs["$3"] >> 16]
-    as_float = torch.tensor(low + high, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
-    assert (as_float * places).sum().item() == want
-    byte_order = gluon.gluon_columns(x, False, False, False)[0]              # the presplit order: not this decode's
-    assert (as_float * byte_order).sum().item() != want
-
-
 @pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
-@pytest.mark.parametrize("paired", PAIRED, ids=PAIRED_IDS)
-def test_quad_decode_uses_only_the_operands_its_constraints_declare(folded, paired):
-    """4 outputs ($0-$3: two bf16 pairs of each tile) and 3 inputs ($4 the word, $5 / $6 the scale pairs); the
-    paired form has no byte permute."""
-    text = _decode_text(folded, paired)
+def test_quad_decode_uses_only_the_operands_its_constraints_declare(folded):
+    """4 outputs ($0-$3: two bf16 pairs of each tile) and 3 inputs ($4 the word, $5 / $6 the scale pairs)."""
+    text = (gluon._QUAD_DECODE_FOLDED if folded else gluon._QUAD_DECODE).value
     assert set(re.findall(r"\$(\d+)", text)) == {str(i) for i in range(7)}
-    assert ("prmt" in text) is not paired
 
 
 def test_gluon_tiles_are_checked_and_refused_where_they_cannot_run():
@@ -136,13 +87,9 @@ def test_gluon_columns_are_presplit_and_coalesced_places_hold_the_documented_col
     with coalesced_w (its weight bytes 16t.. and 64 + 16t..) 64q + 16t + 8h.. for piece c = 2q + h."""
     rows, num_k = 3, 512
     x = torch.arange(rows * num_k, dtype=torch.float32).view(rows, num_k)
-    assert torch.equal(gluon.gluon_columns(x, False, False, False), moe_mxfp4.presplit_columns(x, 256))
-    paired = gluon.gluon_columns(x, False, False, True)
-    for step, odd, j in itertools.product(range(num_k // 256), range(2), range(128)):
-        place = step * 256 + odd * 128 + j // 4 * 4 + j % 2 * 2 + j % 4 // 2      # j = 4a + 2p + h at 4a + 2h + p
-        assert torch.equal(paired[:, place], x[:, step * 256 + 2 * j + odd]), (step, odd, j)
+    assert torch.equal(gluon.gluon_columns(x, False, False), moe_mxfp4.presplit_columns(x, 256))
     for coalesced_w in (False, True):
-        stored = gluon.gluon_columns(x, True, coalesced_w, False)
+        stored = gluon.gluon_columns(x, True, coalesced_w)
         for step, odd, t, c in itertools.product(range(num_k // 256), range(2), range(4), range(4)):
             first = 64 * (c // 2) + 16 * t + 8 * (c % 2) if coalesced_w else 32 * t + 8 * c
             j = first + torch.arange(8)
@@ -151,9 +98,7 @@ def test_gluon_columns_are_presplit_and_coalesced_places_hold_the_documented_col
     # gate/up's hidden store places (`moe_mxfp4_prologue.stored_column`) agree with gluon_columns:
     # tests/test_mxfp4_prologue.py
     with pytest.raises(ValueError, match="multiple of 256"):
-        gluon.gluon_columns(x[:, :384], True, False, False)
-    with pytest.raises(ValueError, match="the paired order is the plain one's"):
-        gluon.gluon_columns(x, True, False, True)
+        gluon.gluon_columns(x[:, :384], True, False)
     with pytest.raises(ValueError, match="coalesced_x and coalesced_w are options of the Gluon"):
         moe_mxfp4.check_tile(moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA._replace(coalesced_w=True))
     with pytest.raises(ValueError, match="coalesced_w reorders x as coalesced_x stores it"):

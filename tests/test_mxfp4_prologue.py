@@ -24,15 +24,13 @@ from tests.test_offline_compile import K3_PACKED_EXPERTS, _python  # noqa: E402
 
 gluon = pytest.importorskip("kernels.triton.moe_mxfp4_gluon_operands")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-# (coalesced_x, coalesced_w, paired): presplit (a swap tile's), paired (a plain Gluon tile's), the coalesced ones
-LAYOUTS = [(False, False, False), (False, False, True), (True, False, False), (True, True, False)]
+LAYOUTS = [(False, False), (True, False), (True, True)]        # (coalesced_x, coalesced_w): cw only with cx
 # a presplit swap tile at block_k 256 (the interpreter's own decode, no PTX), 16-row blocks, 32 weight rows a program
 SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=256, num_warps=1, num_stages=1, swap=True,
                                 presplit=True)
 
 
-@pytest.mark.parametrize("coalesced_x,coalesced_w,paired", LAYOUTS,
-                         ids=["presplit", "paired", "coalesced_x", "coalesced_xw"])
+@pytest.mark.parametrize("coalesced_x,coalesced_w", LAYOUTS, ids=["plain", "coalesced_x", "coalesced_xw"])
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,offset,num_k,dtype", [
     (1, 16, 112, 8, 0, 3584, torch.bfloat16),     # K3 at one token: seven 512-column copy tiles
     (5, 16, 112, 16, 0, 768, torch.bfloat16),     # rows past the last whole 4-row tile, columns past 512
@@ -40,7 +38,7 @@ SWAP_TILE = moe_mxfp4.Mxfp4Tile(block_m=16, block_n=32, block_k=256, num_warps=1
     (3, 8, 20, 8, 10, 256, torch.bfloat16),       # expert parallelism: other ranks' pairs dropped
 ])
 def test_one_launch_gives_the_grouping_and_the_ordered_x_bit_for_bit(num_tokens, top_k, num_experts, block_m, offset,
-                                                                     num_k, dtype, coalesced_x, coalesced_w, paired):
+                                                                     num_k, dtype, coalesced_x, coalesced_w):
     gen = torch.Generator().manual_seed(num_tokens * 1000 + num_k)
     low, high = (offset - 8, offset + num_experts + 8) if offset else (0, num_experts)
     expert_ids = torch.randint(low, high, (num_tokens, top_k), generator=gen).to(DEVICE)
@@ -48,11 +46,11 @@ def test_one_launch_gives_the_grouping_and_the_ordered_x_bit_for_bit(num_tokens,
     x = wide[:, 128:128 + num_k]                    # rows apart by more than K, the first not at the allocation's start
     with nan_poisoned_allocations():
         blocks, ordered = moe_mxfp4_prologue.group_pairs_and_columns(expert_ids, offset, num_experts, block_m, x,
-                                                                     coalesced_x, coalesced_w, paired)
+                                                                     coalesced_x, coalesced_w)
     reference = moe_blocks.group_pairs_torch(expert_ids, offset, num_experts, block_m)
     for name, got, want in zip(reference._fields, blocks, reference):
         assert got.dtype == want.dtype and torch.equal(got, want), name
-    want = gluon.gluon_columns(x, coalesced_x, coalesced_w, paired)
+    want = gluon.gluon_columns(x, coalesced_x, coalesced_w)
     assert ordered.dtype == dtype and ordered.shape == want.shape and torch.equal(ordered, want)
 
 
@@ -71,16 +69,13 @@ def test_stored_column_is_where_gluon_columns_puts_each_column():
 def test_prologue_refusals_name_what_is_wrong():
     ids, x = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 512)
     with pytest.raises(ValueError, match="K must be a multiple of 256"):
-        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, x[:, :384], False, False, True)
+        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, x[:, :384], False, False)
     with pytest.raises(ValueError, match="coalesced_w comes only with coalesced_x"):
-        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, x, False, True, False)
-    with pytest.raises(ValueError, match="the paired order is the plain one's"):
-        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, x, True, False, True)
+        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, x, False, True)
     with pytest.raises(ValueError, match="columns must be contiguous"):
-        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, torch.zeros(512, 2).t(), False, False, True)
+        moe_mxfp4_prologue.group_pairs_and_columns(ids, 0, 4, 8, torch.zeros(512, 2).t(), False, False)
     with pytest.raises(ValueError, match="at most 1024 pairs"):
-        moe_mxfp4_prologue.group_pairs_and_columns(torch.zeros(65, 16, dtype=torch.long), 0, 4, 8, x, False, False,
-                                                   True)
+        moe_mxfp4_prologue.group_pairs_and_columns(torch.zeros(65, 16, dtype=torch.long), 0, 4, 8, x, False, False)
     swap = moe_mxfp4_tiles.SWAP_DECODE_TILE_NVIDIA                     # presplit, block_k 256
     for other in (swap._replace(block_k=128), swap._replace(presplit=False), SWAP_TILE._replace(swap=False)):
         with pytest.raises(ValueError, match="prologue copies x into the Gluon"):

@@ -37,7 +37,7 @@ from kernels.triton.activation import check_activation
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, one_program, split_tail_pairs
 from kernels.triton.moe_experts import combine_expert_rows, combine_operands
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
-from kernels.triton.moe_mxfp4_prologue import group_pairs_and_columns, paired_order
+from kernels.triton.moe_mxfp4_prologue import group_pairs_and_columns
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are part of this module's API)
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
@@ -235,7 +235,7 @@ def gate_up(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, 
         _check_staged(tile, w13_packed)
         from kernels.triton.moe_mxfp4_gluon import gate_up_gluon, kernel_shape  # noqa: PLC0415 (NVIDIA only)
         from kernels.triton.moe_mxfp4_gluon_operands import gluon_columns  # noqa: PLC0415
-        x = x if ordered else gluon_columns(x, tile.coalesced_x, tile.coalesced_w, paired_order(tile))
+        x = x if ordered else gluon_columns(x, tile.coalesced_x, tile.coalesced_w)
         gate_up_gluon(_gate_up_args(x, w13_packed, w13_scale, hidden, blocks, num_experts, hidden_dim, inter_dim,
                                     situ_beta, situ_linear_beta),
                       num_blocks, inter_dim, top_k, activation, situ_linear_beta is not None, tile.block_m,
@@ -383,7 +383,7 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
         _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
     if ordered:
         blocks, x = group_pairs_and_columns(expert_ids, expert_offset, num_experts, tile.height, x, tile.coalesced_x,
-                                            tile.coalesced_w, paired_order(tile))
+                                            tile.coalesced_w)
     else:
         blocks = group_pairs_by_expert(expert_ids, expert_offset, num_experts, tile.height)
     rows_out = _expert_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activation, situ_beta,

@@ -72,7 +72,7 @@ def _k_loop(byte_ptrs, scale_ptrs, x_ptrs, steps, WEIGHT_ROWS: gl.constexpr, BLO
                               COALESCED_X, COALESCED_W, STAGES)
     acc = gl.zeros([WEIGHT_ROWS, BLOCK_M], gl.float32, layout=_mma_layout())
     for step in range(0, steps):
-        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+        low, high = _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
         even, odd = _x_halves(x_ptrs, step * 256, BLOCK_M, COALESCED_X, COALESCED_W)
         acc = mma_v2(low, even, acc)
         acc = mma_v2(high, odd, acc)
@@ -117,7 +117,7 @@ def _k_loop_staged(byte_ptrs, scale_ptrs, x_ptrs, steps, WEIGHT_ROWS: gl.constex
         byte = gl.convert_layout(_piece_rows(stages.index(step % STAGES).load(_stage_layout(WEIGHT_ROWS)),
                                              WEIGHT_ROWS, COALESCED_W),
                                  _bytes_layout(WEIGHT_ROWS, COALESCED_W), assert_trivial=True)
-        low, high = _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+        low, high = _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
         acc = mma_v2(low, even, acc)
         acc = mma_v2(high, odd, acc)
         scale = next_scale
@@ -185,7 +185,7 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
                   COALESCED_X, COALESCED_W, STAGES)
     hidden, cols, out_rows, out_mask = _glu_rows(acc, sorted_pairs_ptr, row0, col, num_pairs, inter_dim, beta,
                                                  linear_beta, WEIGHT_ROWS, ROWS, IS_SITU, HAS_LINEAR_CLIP)
-    places = stored_column(cols, COALESCED_X, COALESCED_W, not COALESCED_X)
+    places = stored_column(cols, COALESCED_X, COALESCED_W)
     gl.store(hidden_ptr + out_rows.to(gl.int64)[None, :] * hidden_row_stride + places[:, None],
              hidden.to(hidden_ptr.dtype.element_ty), mask=out_mask)
 

@@ -18,6 +18,12 @@ multiply that places the nibble's sign and magnitude bits at once, and a mask (b
 `moe_mxfp4_operands._pair_decode_ptx`), and one bf16x2 multiply by 2^126 x the scale (SCALE_FOLD) or two: 18
 instructions for 8 codes, against 20 in the two-permute form it replaced.
 
+Tried and not kept (3322492, reverted): pairing bytes (0, 2) and (1, 3) of a word, as its 16-bit lanes already
+hold them, drops the byte permute (17 instructions for 8 codes) if x and hidden are stored with columns 4a + 2p + h
+at 4a + 2h + p to match. Offline sm_90 the K loop went 362 -> 344 (1 token) and, with the decode tile capped at 80
+registers to avoid a spill, 352 -> 337 (16 tokens); on an H100 the calls at 1-32 tokens were unchanged (within
+0.3%, two calls), so the H100 decode tiles are not bound by these instructions. Not measured on an H200.
+
 Layout options for the 32-64-token L1 pressure (tile fields coalesced_x, coalesced_w; on an H100 at 2365f32 they
 lost to the swap tile at 64 tokens, 2.13-2.74x the bf16 experts against 3.03x, and are in no default tile): a
 quarter warp's x load touches four 16-byte pieces 64 bytes apart of each of two tokens (16 cache lines a warp for
@@ -37,21 +43,15 @@ from kernels.triton.moe_mxfp4 import presplit_columns
 STEP_BYTES: gl.constexpr = gl.constexpr(128)     # a K step is 256 columns: 128 bytes of a row
 
 
-def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool, paired: bool) -> torch.Tensor:
+def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> torch.Tensor:
     """[R, K] -> [R, K] in the order the kernels read x and hidden (K a multiple of 256): each 256 columns as [the
     even ones | the odd ones] (`moe_mxfp4.presplit_columns`) and, `coalesced_x` (a tile's), within each half
     column j = 32t + 8c + r at 32c + 8t + r, or with `coalesced_w` j = 64q + 16t + 8h + r at 64q + 32h + 8t + r
-    (`_x_layout`); `paired` (the Gluon kernels' plain order: `moe_mxfp4_prologue.paired_order`), within each half
-    column j = 4a + 2p + h at 4a + 2h + p, the order of the paired decode's output (`_quad_decode_ptx`). One copy
-    through a permuted view (no index tensor: the decode-sized calls run inside CUDA graphs)."""
+    (`_x_layout`). One copy through a permuted view (no index tensor: the decode-sized calls run inside CUDA
+    graphs)."""
     rows, num_k = t.shape
     if num_k % 256:
         raise ValueError(f"gluon_columns: K must be a multiple of 256, got {num_k}")
-    if paired and coalesced_x:
-        raise ValueError("gluon_columns: the paired order is the plain one's (coalesced_x keeps its own)")
-    if paired:
-        split = t.reshape(rows, num_k // 256, 32, 2, 2, 2)              # column 2j + odd, j = 4a + 2p + h
-        return split.permute(0, 1, 5, 2, 4, 3).reshape(rows, num_k)     # [R, step, odd, a, h, p]
     if not coalesced_x:
         return presplit_columns(t, 256)
     if coalesced_w:
@@ -61,19 +61,14 @@ def gluon_columns(t: torch.Tensor, coalesced_x: bool, coalesced_w: bool, paired:
     return split.permute(0, 1, 5, 3, 2, 4).reshape(rows, num_k)      # [R, step, odd, c, t, r]
 
 
-def _quad_decode_ptx(fold: bool, paired: bool = False) -> str:
+def _quad_decode_ptx(fold: bool) -> str:
     """Four packed bytes ($4) and the bf16x2 scales of bytes (0, 1) ($5) and (2, 3) ($6) -> the low-nibble codes of
     bytes (0, 1) ($0) and (2, 3) ($1), the high-nibble codes of (0, 1) ($2) and (2, 3) ($3), as bf16 pairs times
     the scale. The bits land as in `moe_mxfp4_operands._pair_decode_ptx` (sign at bit 15, the three magnitude bits
     at 8..6: bf16 code * 2^-126). One byte permute puts bytes 0 and 1 in the low byte of the two 16-bit lanes and
     bytes 2 and 3 above them; a nibble n of each lane, masked alone, goes to both places with one multiply, n * 2^6
     + n * 2^12 (low nibble) or n * 2^2 + n * 2^8 (high nibble: the nibble sits 4 bits up), whose two terms share
-    no bit, and a mask keeps bits 15 and 8..6. A shift by 8 brings bytes 2 and 3 down for the second pair.
-
-    `paired`: the pairs are bytes (0, 2) and (1, 3) instead, as the word's two 16-bit lanes hold them already: no
-    permute, the shift by 8 brings bytes 1 and 3 down, and output element 4i + 2h + p holds byte 4i + 2p + h's
-    code (13 integer instructions for 8 codes instead of 14). The kernels pair x's column 4i + 2p + h with it by
-    reading x in the paired order (`gluon_columns`, `stored_column`): the dot is the same sum over K."""
+    no bit, and a mask keeps bits 15 and 8..6. A shift by 8 brings bytes 2 and 3 down for the second pair."""
     def times(out: str, scale: str) -> str:
         if fold:
             return f"mul.rn.bf16x2 {out}, a, {scale};"
@@ -82,13 +77,9 @@ def _quad_decode_ptx(fold: bool, paired: bool = False) -> str:
     def nibble(word: str, mask: str, spread: str, out: str, scale: str) -> str:
         return (f"and.b32 a, {word}, {mask};  mul.lo.u32 a, a, {spread};  and.b32 a, a, 0x81C081C0;  "
                 + times(out, scale))
-    lines = ["{", ".reg .b32 w, v, a, c126;", "mov.b32 c126, 0x7E807E80;"]
-    if paired:
-        lines += ["mov.b32 w, $4;",                   # lanes b0 | b1 << 8 and b2 | b3 << 8
-                  "shr.b32 v, w, 8;"]                 # the lanes' low bytes: b1 and b3
-    else:
-        lines += ["prmt.b32 w, $4, 0, 0x3120;",       # bytes (0, 2, 1, 3): lanes b0 | b2 << 8 and b1 | b3 << 8
-                  "shr.b32 v, w, 8;"]                 # the lanes' low bytes: b2 and b3
+    lines = ["{", ".reg .b32 w, v, a, c126;", "mov.b32 c126, 0x7E807E80;",
+             "prmt.b32 w, $4, 0, 0x3120;",            # bytes (0, 2, 1, 3): lanes b0 | b2 << 8 and b1 | b3 << 8
+             "shr.b32 v, w, 8;"]                      # the lanes' low bytes: b2 and b3
     for word, out_low, out_high, scale in (("w", "$0", "$2", "$5"), ("v", "$1", "$3", "$6")):
         lines += [nibble(word, "0x000F000F", "0x1040", out_low, scale),
                   nibble(word, "0x00F000F0", "0x104", out_high, scale)]
@@ -97,8 +88,6 @@ def _quad_decode_ptx(fold: bool, paired: bool = False) -> str:
 
 _QUAD_DECODE = gl.constexpr(_quad_decode_ptx(fold=False))
 _QUAD_DECODE_FOLDED = gl.constexpr(_quad_decode_ptx(fold=True))
-_QUAD_DECODE_PAIRED = gl.constexpr(_quad_decode_ptx(fold=False, paired=True))
-_QUAD_DECODE_PAIRED_FOLDED = gl.constexpr(_quad_decode_ptx(fold=True, paired=True))
 
 
 @gluon.constexpr_function
@@ -205,11 +194,10 @@ def _kappa_cols(tile, BLOCK_M: gl.constexpr, COALESCED_W: gl.constexpr):
 
 @gluon.jit
 def _quad_decode(byte, scale, WEIGHT_ROWS: gl.constexpr, BYTES: gl.constexpr, bytes_layout: gl.constexpr,
-                 SCALE_FOLD: gl.constexpr, PAIRED: gl.constexpr = False):
+                 SCALE_FOLD: gl.constexpr):
     """Packed bytes [WEIGHT_ROWS, BYTES] in `bytes_layout` and their scale bytes [WEIGHT_ROWS, BYTES / 16, 1] ->
     (low-nibble, high-nibble) bf16 tiles [WEIGHT_ROWS, BYTES] in `bytes_layout` (`_QUAD_DECODE`: the scale
-    broadcast to its 16 bytes). PAIRED: element 4i + 2h + p holds byte 4i + 2p + h's codes (`_quad_decode_ptx`;
-    the four bytes share a scale)."""
+    broadcast to its 16 bytes)."""
     scale = scale.to(gl.int32)
     if SCALE_FOLD:
         bits = (scale + 126) << 7                                  # bf16 2^(byte - 1): 2^126 x the scale
@@ -218,33 +206,28 @@ def _quad_decode(byte, scale, WEIGHT_ROWS: gl.constexpr, BYTES: gl.constexpr, by
     scale = bits.to(gl.int16).to(gl.bfloat16, bitcast=True).broadcast_to([WEIGHT_ROWS, BYTES // 16, 16])
     scale = scale.reshape([WEIGHT_ROWS, BYTES])
     scale = gl.convert_layout(scale, bytes_layout)
-    if PAIRED:
-        text: gl.constexpr = _QUAD_DECODE_PAIRED_FOLDED if SCALE_FOLD else _QUAD_DECODE_PAIRED
-    else:
-        text: gl.constexpr = _QUAD_DECODE_FOLDED if SCALE_FOLD else _QUAD_DECODE
-    return gl.inline_asm_elementwise(text, "=r,=r,=r,=r,r,r,r", [byte, scale], dtype=(gl.bfloat16, gl.bfloat16),
-                                     is_pure=True, pack=4)
+    if SCALE_FOLD:
+        return gl.inline_asm_elementwise(_QUAD_DECODE_FOLDED, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(_QUAD_DECODE, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
 
 
 @gluon.jit
 def _weight_halves(byte_ptrs, scale_ptrs, step, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr,
-                   COALESCED_X: gl.constexpr, COALESCED_W: gl.constexpr):
+                   COALESCED_W: gl.constexpr):
     """K step `step` of the WEIGHT_ROWS weight rows: (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand
     layout."""
     byte = gl.load(byte_ptrs + step * STEP_BYTES)                                          # [WEIGHT_ROWS, 128] uint8
     scale = gl.load(scale_ptrs + step * 8)                                                 # [WEIGHT_ROWS, 8, 1]
-    return _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_X, COALESCED_W)
+    return _decoded_halves(byte, scale, WEIGHT_ROWS, SCALE_FOLD, COALESCED_W)
 
 
 @gluon.jit
-def _decoded_halves(byte, scale, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_X: gl.constexpr,
-                    COALESCED_W: gl.constexpr):
+def _decoded_halves(byte, scale, WEIGHT_ROWS: gl.constexpr, SCALE_FOLD: gl.constexpr, COALESCED_W: gl.constexpr):
     """A step's packed bytes [WEIGHT_ROWS, 128] in `_bytes_layout` and their scale bytes [WEIGHT_ROWS, 8, 1] ->
-    (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand layout. The plain layout decodes paired
-    (`moe_mxfp4_prologue.paired_order`): its element j holds the code of the byte whose x column x's place j
-    holds."""
-    low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS, COALESCED_W), SCALE_FOLD,
-                             not COALESCED_X)
+    (low-nibble, high-nibble) tiles [WEIGHT_ROWS, 128] in the A operand layout."""
+    low, high = _quad_decode(byte, scale, WEIGHT_ROWS, 128, _bytes_layout(WEIGHT_ROWS, COALESCED_W), SCALE_FOLD)
     return (gl.convert_layout(_kappa_rows(low, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True),
             gl.convert_layout(_kappa_rows(high, WEIGHT_ROWS, COALESCED_W), _operand_layout(0), assert_trivial=True))
 

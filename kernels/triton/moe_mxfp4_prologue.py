@@ -1,6 +1,6 @@
 """The MXFP4 decode's prologue as one launch (the Gluon tiles' and decode_batch's swap tile's): program 0 groups
 the (token, choice) pairs into expert blocks (`moe_blocks.group_pairs_program`) while the other programs copy x
-into the column order the tile's kernels read (`stored_column`; the torch form is
+into the column order the Gluon kernels read (`stored_column`; the torch form is
 `moe_mxfp4_gluon_operands.gluon_columns`).
 
 Why. Neither needs the other, yet as two launches they ran one after the other: in K3's one-token MXFP4 step on
@@ -8,8 +8,8 @@ the H200 (2d1109e, bench/results/moe-mxfp4-nvidia-h200.md) the grouping program 
 2 us more, before gate/up could start, in a 113 us step. Here the copy runs on other SMs during the grouping, and
 the step has one launch fewer. Only for the one-program grouping (at most `moe_blocks.SMALL_BATCH_PAIRS` pairs);
 larger batches keep the torch grouping and the torch copy. A tile asks for it with `Mxfp4Tile.prologue`: the Gluon
-decode tiles (the paired order, `paired_order`), and the presplit swap tile at block_k 256 (K3 at 36-64 tokens:
-the presplit order). The launch takes the grouping's warps (`moe_blocks.grouping_warps`: 16 at 1024 pairs).
+decode tiles, and the presplit swap tile at block_k 256 (K3 at 36-64 tokens), whose presplit order is the Gluon
+kernels' plain one. The launch takes the grouping's warps (`moe_blocks.grouping_warps`: 16 at 1024 pairs).
 """
 from __future__ import annotations
 
@@ -23,25 +23,15 @@ COPY_ROWS = 4                      # x rows a copy program moves
 COPY_COLUMNS = 512                 # x columns a copy program moves (whole 256-column steps: a step stays in place)
 
 
-def paired_order(tile) -> bool:
-    """Whether a tile's kernels read x and hidden in the paired column order (`stored_column`): the Gluon tiles'
-    plain layout, whose decode pairs bytes (0, 2) and (1, 3) of a word (`moe_mxfp4_gluon_operands._quad_decode_ptx`).
-    A coalesced_x Gluon tile keeps its own order and the byte-order decode; a swap tile reads presplit."""
-    return tile.gluon and not tile.coalesced_x
-
-
 @triton.jit
-def stored_column(c, COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr, PAIRED: tl.constexpr):
+def stored_column(c, COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr):
     """Where column c of x (or of the expert hidden) lies in the Gluon kernels' order: each 256 columns as [the even
-    ones | the odd ones], and column j of a half at j (presplit), at 4a + 2h + p for j = 4a + 2p + h (PAIRED, the
-    Gluon kernels' plain order), at 32c' + 8t + r for j = 32t + 8c' + r (COALESCED_X), or at 64q + 32h + 8t + r for
-    j = 64q + 16t + 8h + r (with COALESCED_W as well); `moe_mxfp4_gluon_operands._x_layout` and `_quad_decode_ptx`
-    say why. Plain arithmetic only, so that a CPU test can run it on a torch tensor (`.fn`)."""
+    ones | the odd ones], and column j of a half at j (plain), at 32c' + 8t + r for j = 32t + 8c' + r (COALESCED_X),
+    or at 64q + 32h + 8t + r for j = 64q + 16t + 8h + r (with COALESCED_W as well); `moe_mxfp4_gluon_operands._x_layout`
+    says why. Plain arithmetic only, so that a CPU test can run it on a torch tensor (`.fn`)."""
     j = c % 256 // 2
     place = j
-    if PAIRED:
-        place = j // 4 * 4 + j % 2 * 2 + j % 4 // 2
-    elif COALESCED_X and COALESCED_W:
+    if COALESCED_X and COALESCED_W:
         place = j // 64 * 64 + j % 16 // 8 * 32 + j % 64 // 16 * 8 + j % 8
     elif COALESCED_X:
         place = j % 32 // 8 * 32 + j // 32 * 8 + j % 8
@@ -53,8 +43,8 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
                                     num_pairs, expert_offset, num_experts, num_blocks, x_ptr, ordered_ptr, num_rows,
                                     num_cols, x_row_stride, ordered_row_stride, BLOCK_M: tl.constexpr,
                                     E_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, FILL: tl.constexpr,
-                                    COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr, PAIRED: tl.constexpr,
-                                    ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+                                    COALESCED_X: tl.constexpr, COALESCED_W: tl.constexpr, ROWS: tl.constexpr,
+                                    COLUMNS: tl.constexpr):
     """Program 0: the grouping. Program 1 + i: ROWS x COLUMNS tile i of x (column tiles fastest), each value
     stored at its `stored_column`."""
     pid = tl.program_id(0)
@@ -68,23 +58,19 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
         mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
         rows = rows.to(tl.int64)[:, None]
         values = tl.load(x_ptr + rows * x_row_stride + cols[None, :], mask=mask)
-        places = stored_column(cols, COALESCED_X, COALESCED_W, PAIRED)
+        places = stored_column(cols, COALESCED_X, COALESCED_W)
         tl.store(ordered_ptr + rows * ordered_row_stride + places[None, :], values, mask=mask)
 
 
 def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_experts: int, block_m: int,
-                            x: torch.Tensor, coalesced_x: bool, coalesced_w: bool,
-                            paired: bool) -> tuple[ExpertBlocks, torch.Tensor]:
-    """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon_operands.gluon_columns(x, coalesced_x, coalesced_w,
-    paired)`), bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride): a Gluon
-    tile's order (`paired_order`), or the presplit order (no option) for a swap tile."""
+                            x: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> tuple[ExpertBlocks, torch.Tensor]:
+    """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon_operands.gluon_columns(x, coalesced_x, coalesced_w)`),
+    bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride)."""
     num_rows, num_cols = x.shape
     if num_cols % 256:
         raise ValueError(f"group_pairs_and_columns: K must be a multiple of 256, got {num_cols}")
     if coalesced_w and not coalesced_x:
         raise ValueError("group_pairs_and_columns: coalesced_w comes only with coalesced_x (`moe_mxfp4_tiles`)")
-    if paired and coalesced_x:
-        raise ValueError("group_pairs_and_columns: the paired order is the plain one's (coalesced_x keeps its own)")
     if x.stride(1) != 1:
         raise ValueError(f"group_pairs_and_columns: x's columns must be contiguous, got strides {x.stride()}")
     grouping = small_grouping(expert_ids, expert_offset, num_experts, block_m)
@@ -92,7 +78,6 @@ def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_ex
     copies = triton.cdiv(num_rows, COPY_ROWS) * triton.cdiv(num_cols, COPY_COLUMNS)
     _group_pairs_and_columns_kernel[(1 + copies,)](*grouping.args, x, ordered, num_rows, num_cols, x.stride(0),
                                                    ordered.stride(0), **grouping.constexprs, COALESCED_X=coalesced_x,
-                                                   COALESCED_W=coalesced_w, PAIRED=paired, ROWS=COPY_ROWS,
-                                                   COLUMNS=COPY_COLUMNS,
+                                                   COALESCED_W=coalesced_w, ROWS=COPY_ROWS, COLUMNS=COPY_COLUMNS,
                                                    num_warps=grouping_warps(grouping.constexprs["P_BLOCK"]))
     return grouping.blocks, ordered

@@ -206,15 +206,9 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # one-launch prologue (763dabf against 75cdd00: a launch and 3-4 us of kernels fewer a call; the calls moved -1.4% /
 # +0.4% at 64 tokens and +1.2% / -0.5% at 48 in two calls each, within the card's spread). Neither measured on an
 # H200.
-# The Gluon decode reads x with no row mask (a padding column reads a real row: 14ee48c, the 16-token call 3.1%
-# shorter on an H100) and pairs bytes (0, 2) and (1, 3) of a word (3322492: no byte permute). With that, ptxas left
-# to itself gave the decode tile's kernels 72 registers and an 8-byte spill reloaded every K step (344 loop
-# instructions with 2 local loads, offline sm_90), and K3's 16-token gate/up ran 436 us against 406 without the
-# pairing (H100, two calls); capped at 80 they hold 80 with no stack and 337 instructions. decode_thin keeps its
-# 72 (8 bytes of stack, 344 a step): at 1 and 4 tokens the pairing changed nothing measurable on the H100.
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
-    "decode": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=80, stream=True, prologue=True),
+    "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
     "decode_batch": SWAP_TILES_NVIDIA["decode_batch"]._replace(prologue=True),
     "mid": WGMMA_PREFILL_TILE_NVIDIA._replace(block_m=32, tail_m=16),
     "prefill": WGMMA_PREFILL_TILE_NVIDIA,
