@@ -198,7 +198,10 @@ def _x_rows(pairs, first_pair, num_pairs):
     (16 CS2R a K step at 8 rows, offline sm_90: 378 -> 362 instructions a step at 1 token, 352 at 16), and padding
     columns load the addresses column 0 loads, which L1 serves (these are plain loads; the swap kernels' cp.async
     copies bypass L1 and keep their masks: `moe_mxfp4_operands._rows_t`). On an H100 (14ee48c) K3's 16-token
-    call ran 3.1% shorter (gate/up 435 -> 406 us), 1 and 4 tokens within 0.2%."""
+    call ran 3.1% shorter (gate/up 435 -> 406 us), 1 and 4 tokens within 0.2%. What gained was likely the spill:
+    with the masked loads ptxas gave the 16-token kernels 72 registers and an 8-byte spill reloaded every K step,
+    without them 80 and none; a later 4% cut in loop instructions alone changed nothing there (the docstring of
+    `moe_mxfp4_gluon_operands`)."""
     return gl.where(pairs < num_pairs, pairs, first_pair)
 
 
