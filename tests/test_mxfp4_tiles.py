@@ -46,6 +46,7 @@ def test_tile_options_that_cannot_apply_are_refused():
                         (SWAP_TILE._replace(tail_m=32), "tail_m is an option"),   # longer than block_m
                         (SWAP_TILE._replace(maxnreg=300), "register cap"),
                         (SWAP_TILE._replace(maxnreg=8), "register cap"),
+                        (SWAP_TILE._replace(down_maxnreg=300), "down_maxnreg is ptxas' register cap"),
                         (SWAP_TILE._replace(down_block_n=48), "down_block_n"),
                         (GEMV_TILE._replace(down_block_n=8), "down_block_n")):
         with pytest.raises(ValueError, match=match):
@@ -60,8 +61,15 @@ def test_a_register_cap_is_refused_off_nvidia():
         with pytest.raises(ValueError, match="maxnreg is a ptxas option"):
             moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu"))
         assert moe_mxfp4._registers(SWAP_TILE, torch.device("cpu")) == {}
+        with pytest.raises(ValueError, match="maxnreg is a ptxas option"):
+            moe_mxfp4._registers(SWAP_TILE._replace(down_maxnreg=72), torch.device("cpu"), down=True)
     with assume_device(AssumedDevice("nvidia", "sm_90", 132)):
         assert moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=128), torch.device("cpu")) == {"maxnreg": 128}
+        both = SWAP_TILE._replace(maxnreg=80, down_maxnreg=72)       # down's own cap; gate/up keeps maxnreg
+        assert moe_mxfp4._registers(both, torch.device("cpu")) == {"maxnreg": 80}
+        assert moe_mxfp4._registers(both, torch.device("cpu"), down=True) == {"maxnreg": 72}
+        assert moe_mxfp4._registers(SWAP_TILE._replace(maxnreg=80), torch.device("cpu"), down=True) == {"maxnreg": 80}
+        assert moe_mxfp4._registers(SWAP_TILE._replace(down_maxnreg=72), torch.device("cpu")) == {}
 
 
 def test_sm90_tiles_come_from_the_sweep_table_and_fp16_drops_bf16_only_options():

@@ -304,6 +304,31 @@ def test_the_gluon_decode_kernels_load_x_with_no_row_mask():
     assert rows[("16", "gate_up_gluon_kernel")][4] == rows[("16", "down_gluon_kernel")][4] == 0, result.stdout
 
 
+def test_a_down_register_cap_applies_to_the_down_kernel_alone():
+    """`Mxfp4Tile.down_maxnreg` (bench/sweeps/registers-thin.json): K3 at one token on sm_90 with decode_thin's
+    tile at maxnreg 80 and down_maxnreg 72 compiles gate/up at 80 registers with no stack (no spill to reload in its
+    K loop) and down at 72, whose 896 programs then fit one wave at 7 programs an SM."""
+    result = _python(K3_PACKED_EXPERTS + textwrap.dedent("""
+        from backends.offline import capture, compile_launch, offline_target
+        from kernels.triton.moe_mxfp4 import MXFP4_TILES_NVIDIA, moe_experts_mxfp4
+        target = offline_target("sm_90")
+        tile = MXFP4_TILES_NVIDIA["decode_thin"]._replace(maxnreg=80, down_maxnreg=72)
+        with capture(target) as recorder:
+            moe_experts_mxfp4(torch.empty(1, D, dtype=torch.bfloat16), *w13, *w2, torch.full((1, K), 1 / K),
+                              torch.arange(K).view(1, K), "situ", 4.0, 25.0, max_scale=120, tile=tile)
+        for _, launch in recorder.launches:
+            if "gluon" in launch.kernel:
+                c = compile_launch(launch, target)
+                print(launch.kernel, c.error or "ok", launch.options["maxnreg"], c.resources.registers,
+                      c.resources.scratch_bytes, c.resources.occupancy)
+    """), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert rows["gate_up_gluon_kernel"] == ["ok", "80", "80", "0", "6"], result.stdout
+    down = rows["down_gluon_kernel"]
+    assert down[:3] == ["ok", "72", "72"] and down[4] == "7", result.stdout
+
+
 def test_the_one_program_grouping_compiles_for_every_target_at_both_ends_of_its_range():
     """`moe_blocks._group_pairs_kernel` (tl.histogram, tl.sort and tl.gather over every pair at once) is the MoE
     bookkeeping of every decode-sized batch on every backend: it compiles for sm_90, sm_100, gfx942 and gfx950 at

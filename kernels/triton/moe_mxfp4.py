@@ -71,18 +71,20 @@ def _even_n(tile: Mxfp4Tile, columns: int, program_columns: int) -> dict:
     return {"EVEN_N": True} if tile.swap and columns % program_columns == 0 else {}
 
 
-def _registers(tile: Mxfp4Tile, device: torch.device) -> dict:
-    """The launch's register cap (`Mxfp4Tile.maxnreg`): an NVIDIA compile option, refused elsewhere rather than
-    dropped (the interpreter runs the kernels whatever their registers, so it takes the tile as it is)."""
-    if not tile.maxnreg:
+def _registers(tile: Mxfp4Tile, device: torch.device, down: bool = False) -> dict:
+    """The launch's register cap (`Mxfp4Tile.maxnreg`, or for the `down` kernel `down_maxnreg` where it is set): an
+    NVIDIA compile option, refused elsewhere rather than dropped (the interpreter runs the kernels whatever their
+    registers, so it takes the tile as it is)."""
+    cap = (tile.down_maxnreg or tile.maxnreg) if down else tile.maxnreg
+    if not cap:
         return {}
     where = target(device)
     if where == "interpreter":
         return {}
     if where != "nvidia":
         raise ValueError(f"moe_experts_mxfp4: maxnreg is a ptxas option (NVIDIA); this device is {where}: use a tile "
-                         f"with maxnreg=0, got {tile}")
-    return {"maxnreg": tile.maxnreg}
+                         f"with maxnreg=0 and down_maxnreg=0, got {tile}")
+    return {"maxnreg": cap}
 
 
 def scale_fold(max_scale: int | None) -> bool:
@@ -295,7 +297,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         from kernels.triton.moe_mxfp4_wgmma import down_wgmma  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_wgmma(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
                    (triton.cdiv(hidden_dim, 64) * num_blocks,), tile.block_m, tile.tail_m, tile.num_stages, fold,
-                   _registers(tile, hidden.device))
+                   _registers(tile, hidden.device, down=True))
         return rows_out
     if tile.gluon:
         _check_gluon(tile, hidden_dim, inter_dim)
@@ -303,7 +305,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         from kernels.triton.moe_mxfp4_gluon import down_gluon, kernel_shape  # noqa: PLC0415 (Gluon: NVIDIA only)
         down_gluon(_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
                    num_blocks, hidden_dim, tile.block_m, block_n, tile.block_n, fold, kernel_shape(tile), counters,
-                   _registers(tile, hidden.device),
+                   _registers(tile, hidden.device, down=True),
                    None if combine is None else (combine.out, blocks.row_of_pair, *combine.flat()))
         return rows_out
     if tile.gemv:
@@ -311,7 +313,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
             *_down_args(hidden, _words(w2_packed), w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
             BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k,
             EVEN_K=inter_dim % tile.block_k == 0, PREFETCH=tile.prefetch, num_warps=tile.num_warps,
-            num_stages=tile.num_stages, **_registers(tile, hidden.device))
+            num_stages=tile.num_stages, **_registers(tile, hidden.device, down=True))
         return rows_out
     col_blocks = triton.cdiv(hidden_dim, block_n)
     # the swap kernel's grid: one axis, column blocks fastest (`_down_swap_kernel`: a row block's programs share its
@@ -322,7 +324,7 @@ def down(hidden: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor, 
         *_down_args(hidden, w2_packed, w2_scale, rows_out, blocks, num_experts, hidden_dim, inter_dim),
         BLOCK_M=tile.block_m, BLOCK_N=block_n, BLOCK_K=tile.block_k, EVEN_K=inter_dim % tile.block_k == 0,
         SPLIT_X=tile.split_x, num_warps=tile.num_warps, num_stages=tile.num_stages, **_scaled(tile, fold),
-        **_tail(tile), **_registers(tile, hidden.device))
+        **_tail(tile), **_registers(tile, hidden.device, down=True))
     return rows_out
 
 

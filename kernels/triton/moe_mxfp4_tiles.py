@@ -89,6 +89,10 @@ class Mxfp4Tile(NamedTuple):
     fold_combine: bool = False     # stream only: the down kernel writes the op's output itself (each column block's
     #                                last program sums its columns, `kernels.triton.moe_mxfp4_stream`), no combine
     #                                launch after it; bit for bit the combine kernel's sums
+    down_maxnreg: int = 0          # NVIDIA only: the down kernel's register cap (0: maxnreg's). On an H100
+    #                                (bench/results/moe-mxfp4-x-rows-*) decode_thin's gate/up ran 8% shorter at 80
+    #                                registers than at 72 (no spill), its one-token down 20% longer (896 programs:
+    #                                one wave at 7 programs an SM, not at 6)
 
     @property
     def height(self) -> int:
@@ -206,6 +210,10 @@ WGMMA_PREFILL_TILE_NVIDIA = Mxfp4Tile(block_m=64, block_n=64, block_k=128, num_w
 # one-launch prologue (763dabf against 75cdd00: a launch and 3-4 us of kernels fewer a call; the calls moved -1.4% /
 # +0.4% at 64 tokens and +1.2% / -0.5% at 48 in two calls each, within the card's spread). Neither measured on an
 # H200.
+# decode_thin's cap on an H100 at 47ed2c2 (bench/results/moe-mxfp4-x-rows-*, two runs in one call): at 80 registers
+# instead of 72 its gate/up kernel is 8% shorter at 1 token and 6% at 4 (no spill), its down kernel 20% longer at 1
+# token (896 programs: one wave at 7 programs an SM, two at 6) and 6% shorter at 4; the call +0.3% at 1 token,
+# -2.6% at 4. Pending: gate/up at 80 with down at 72 (`down_maxnreg`, bench/sweeps/registers-thin.json).
 MXFP4_TILES_NVIDIA: dict[str, Mxfp4Tile] = {
     "decode_thin": GLUON_DECODE_TILE_NVIDIA._replace(maxnreg=72, stream=True, prologue=True, fold_combine=True),
     "decode": GLUON_DECODE_TILE_NVIDIA._replace(stream=True, prologue=True),
@@ -299,8 +307,10 @@ def mxfp4_tail_tile(device: torch.device, tile: Mxfp4Tile, num_pairs: int, num_e
 
 def check_tile(tile: Mxfp4Tile) -> None:
     """Refuse, by name, a tile whose options cannot apply together."""
-    if tile.maxnreg and not 24 <= tile.maxnreg <= 255:
-        raise ValueError(f"moe_experts_mxfp4: maxnreg is ptxas' register cap per thread, 24-255 (0: none), got {tile}")
+    for cap in ("maxnreg", "down_maxnreg"):
+        if getattr(tile, cap) and not 24 <= getattr(tile, cap) <= 255:
+            raise ValueError(f"moe_experts_mxfp4: {cap} is ptxas' register cap per thread, 24-255 (0: none), got "
+                             f"{tile}")
     if tile.down_block_n and (tile.down_block_n < 16 or tile.down_block_n & (tile.down_block_n - 1)):
         raise ValueError(f"moe_experts_mxfp4: down_block_n must be 0 (block_n) or a power of two >= 16, got {tile}")
     if tile.tail_m and (not tile.swap or tile.scaled or tile.natural_k or tile.gemv or tile.tail_m < 16
