@@ -37,7 +37,7 @@ from kernels.triton.activation import check_activation
 from kernels.triton.moe_blocks import ExpertBlocks, group_pairs_by_expert, one_program, split_tail_pairs
 from kernels.triton.moe_experts import combine_expert_rows, combine_operands
 from kernels.triton.moe_mxfp4_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
-from kernels.triton.moe_mxfp4_prologue import group_pairs_and_columns
+from kernels.triton.moe_mxfp4_prologue import copies_columns, group_pairs_and_columns
 from kernels.triton.moe_mxfp4_swap import FOLD_MAX_SCALE, _down_swap_kernel, _gate_up_swap_kernel
 from kernels.triton.moe_mxfp4_tiles import (  # noqa: F401  (the tile names are part of this module's API)
     DOT_SCALED_ARCHES, INTERPRETER_TILE, MXFP4_ROW_CLASSES, MXFP4_TAIL_TILES_NVIDIA, MXFP4_TILES_DOT_SCALED,
@@ -379,8 +379,7 @@ def _one_height_rows(x, w13_packed, w13_scale, w2_packed, w2_scale, top_k, activ
     fold_combine tile's, their weighted sum in `combine.out`). A prologue tile groups the pairs and orders x in one
     launch where the grouping is the one-program kernel (and for a swap tile, x's columns are whole 256-column steps
     and contiguous: otherwise gate_up pads and orders x itself); gate_up orders x otherwise."""
-    ordered = tile.prologue and one_program(expert_ids.numel(), num_experts) and (
-        tile.gluon or (x.shape[1] % 256 == 0 and x.stride(1) == 1))
+    ordered = tile.prologue and one_program(expert_ids.numel(), num_experts) and (tile.gluon or copies_columns(x))
     if ordered and tile.gluon:
         _check_gluon(tile, x.shape[1], 2 * w2_packed.shape[2])
     if ordered:

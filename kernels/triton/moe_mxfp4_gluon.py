@@ -179,7 +179,8 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
                   COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Gate/up program `col` over the ROWS sorted rows from row0: the product, the GLU and the store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
-    pairs = _x_rows(gl.load(sorted_pairs_ptr + rows), gl.load(sorted_pairs_ptr + row0), num_pairs)
+    pairs = gl.load(sorted_pairs_ptr + rows)
+    pairs = _x_rows(pairs, pairs < num_pairs, gl.load(sorted_pairs_ptr + row0))
     x_ptrs = _x_pointers(x_ptr + (pairs // TOP_K).to(gl.int64) * x_row_stride, ROWS, COALESCED_X, COALESCED_W)
     acc = _k_loop(byte_ptrs, scale_ptrs, x_ptrs, hidden_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W, STAGES)
@@ -191,18 +192,18 @@ def _gate_up_rows(x_ptr, hidden_ptr, sorted_pairs_ptr, byte_ptrs, scale_ptrs, ro
 
 
 @gluon.jit
-def _x_rows(pairs, first_pair, num_pairs):
-    """The pairs whose x rows a block's MMA columns read: a padding row (num_pairs) reads the block's first pair's
-    row, a real one. An MMA's output columns are independent of each other's B columns and a padding column is
-    never stored, so the x loads need no mask; without one they take no predicate and their registers no zeroing
-    (16 CS2R a K step at 8 rows, offline sm_90: 378 -> 362 instructions a step at 1 token, 352 at 16), and padding
-    columns load the addresses column 0 loads, which L1 serves (these are plain loads; the swap kernels' cp.async
-    copies bypass L1 and keep their masks: `moe_mxfp4_operands._rows_t`). On an H100 (14ee48c) K3's 16-token
-    call ran 3.1% shorter (gate/up 435 -> 406 us), 1 and 4 tokens within 0.2%. What gained was likely the spill:
-    with the masked loads ptxas gave the 16-token kernels 72 registers and an 8-byte spill reloaded every K step,
-    without them 80 and none; a later 4% cut in loop instructions alone changed nothing there (the docstring of
-    `moe_mxfp4_gluon_operands`)."""
-    return gl.where(pairs < num_pairs, pairs, first_pair)
+def _x_rows(rows, real, first):
+    """The rows (gate/up: pairs, down: sorted rows) whose x a block's MMA columns read: a padding one (not `real`) reads
+    the block's first, a real one. An MMA's output columns are independent of each other's B columns and a padding
+    column is never stored, so the x loads need no mask; without one they take no predicate and their registers no
+    zeroing (16 CS2R a K step at 8 rows, offline sm_90: 378 -> 362 instructions a step at 1 token, 352 at 16), and
+    padding columns load the addresses column 0 loads, which L1 serves (these are plain loads; the swap kernels'
+    cp.async copies bypass L1 and keep their masks: `moe_mxfp4_operands._rows_t`). On an H100 (14ee48c) K3's
+    16-token call ran 3.1% shorter (gate/up 435 -> 406 us), 1 and 4 tokens within 0.2%. What gained was likely the
+    spill: with the masked loads ptxas gave the 16-token kernels 72 registers and an 8-byte spill reloaded every K
+    step, without them 80 and none; a later 4% cut in loop instructions alone changed nothing there (the docstring
+    of `moe_mxfp4_gluon_operands`)."""
+    return gl.where(real, rows, first)
 
 
 @gluon.jit
@@ -311,7 +312,7 @@ def _down_rows_product(hidden_ptr, rows_out_ptr, sorted_pairs_ptr, byte_ptrs, sc
                        COALESCED_W: gl.constexpr, STAGES: gl.constexpr):
     """Down program `col_block` over the ROWS sorted rows from row0: the product and its float32 store."""
     rows = row0 + gl.arange(0, ROWS, layout=_slice(0, _x_layout(ROWS, COALESCED_X, COALESCED_W)))
-    rows = gl.where(gl.load(sorted_pairs_ptr + rows) < num_pairs, rows, row0)      # `_x_rows`: padding reads row0
+    rows = _x_rows(rows, gl.load(sorted_pairs_ptr + rows) < num_pairs, row0)
     h_ptrs = _x_pointers(hidden_ptr + rows.to(gl.int64) * hidden_row_stride, ROWS, COALESCED_X, COALESCED_W)
     acc = _k_loop(byte_ptrs, scale_ptrs, h_ptrs, inter_dim // 256, WEIGHT_ROWS, ROWS, SCALE_FOLD,
                   COALESCED_X, COALESCED_W, STAGES)

@@ -62,17 +62,22 @@ def _group_pairs_and_columns_kernel(expert_ids_ptr, sorted_pairs_ptr, block_expe
         tl.store(ordered_ptr + rows * ordered_row_stride + places[None, :], values, mask=mask)
 
 
+def copies_columns(x: torch.Tensor) -> bool:
+    """Whether the prologue's copy takes x [T, K] as it is: K whole 256-column steps, columns contiguous
+    (`group_pairs_and_columns` refuses anything else; a swap tile's call falls back to gate/up's own copy)."""
+    return x.shape[1] % 256 == 0 and x.stride(1) == 1
+
+
 def group_pairs_and_columns(expert_ids: torch.Tensor, expert_offset: int, num_experts: int, block_m: int,
                             x: torch.Tensor, coalesced_x: bool, coalesced_w: bool) -> tuple[ExpertBlocks, torch.Tensor]:
     """(`moe_blocks.group_pairs_small`'s blocks, `moe_mxfp4_gluon_operands.gluon_columns(x, coalesced_x, coalesced_w)`),
     bit for bit, from one launch (x [T, K], K a multiple of 256, rows with unit column stride)."""
     num_rows, num_cols = x.shape
-    if num_cols % 256:
-        raise ValueError(f"group_pairs_and_columns: K must be a multiple of 256, got {num_cols}")
     if coalesced_w and not coalesced_x:
         raise ValueError("group_pairs_and_columns: coalesced_w comes only with coalesced_x (`moe_mxfp4_tiles`)")
-    if x.stride(1) != 1:
-        raise ValueError(f"group_pairs_and_columns: x's columns must be contiguous, got strides {x.stride()}")
+    if not copies_columns(x):
+        raise ValueError(f"group_pairs_and_columns: K must be a multiple of 256 and x's columns must be contiguous, "
+                         f"got shape {tuple(x.shape)}, strides {x.stride()}")
     grouping = small_grouping(expert_ids, expert_offset, num_experts, block_m)
     ordered = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     copies = triton.cdiv(num_rows, COPY_ROWS) * triton.cdiv(num_cols, COPY_COLUMNS)
